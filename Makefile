@@ -1,0 +1,39 @@
+# The project's commands. README.md says which to run; tools/ holds what they do.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export DS_ACCELERATOR ?= cpu
+# A tag for the wheel's version: deepspeed-0.19.8+$(TAG).
+TAG ?= keepfp32
+
+.PHONY: setup refresh check test test-pristine wheel demo bench study clean
+
+setup:
+	@tools/setup
+
+refresh:
+	@tools/refresh
+
+check:
+	@tools/check
+
+test: setup
+	@tools/test $(ARGS)
+
+test-pristine: setup
+	@tools/test --pristine $(ARGS)
+
+wheel: setup
+	@tools/wheel $(TAG)
+
+demo: setup
+	@$(PY) examples/demo.py $(ARGS)
+
+bench: setup
+	@$(PY) benchmarks/run.py $(ARGS)
+
+study: setup
+	@$(PY) benchmarks/accuracy_study.py $(ARGS)
+
+clean:
+	rm -rf build/pristine dist out

@@ -1,0 +1,515 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Parameters a model names for fp32 (``data_types.keep_in_fp32_modules``) stay in fp32 under ZeRO-3.
+
+The values are chosen so that bf16 shows: the sinks start at 8.0 + k * 1e-4, which bf16 rounds to 8.0 (its
+values are 0.0625 apart there), and Adam moves them by about lr = 1e-5 a step, far below that resolution. A sink
+kept in bf16 therefore neither holds its initial values nor shows its updates, while a sink kept in fp32 holds both,
+and every forward pass sees its fp32 master exactly.
+"""
+
+import logging
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import (logger, safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                             safe_set_full_fp32_param)
+from unit.common import DistributedTest
+
+HIDDEN = 9  # odd, so that every partition is padded
+SINK_VALUES = 8.0 + 1e-4 * torch.arange(6, dtype=torch.float32)
+LISTED = ["sink", "norm", "bias_buf"]
+
+
+class Attention(torch.nn.Module):
+    """One module with parameters of both dtypes: ``proj`` and ``bias`` train in bf16, ``sinks`` and
+    ``sink_gate`` are listed; a fetch of this module's parameters is one collective per dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN) * 0.3)
+        self.bias = torch.nn.Parameter(torch.zeros(HIDDEN))
+        self.sinks = torch.nn.Parameter(torch.full((6, ), 8.0))
+        self.sink_gate = torch.nn.Parameter(torch.linspace(0.5, 1.5, HIDDEN))
+
+    def forward(self, h, grad_boost=0.0):
+        sink = self.sink_gate * self.sinks.mean()
+        if grad_boost:
+            # adds nothing to the output, and grad_boost**2 times a gradient to the sinks (not a uniform one,
+            # which the norm that follows would cancel)
+            boosted = self.sinks * grad_boost
+            sink = sink + (boosted - boosted.detach()).sum() * grad_boost * torch.linspace(-1, 1, HIDDEN)
+        return h @ self.proj.t() + self.bias + 0.01 * sink.to(h.dtype)
+
+
+class Norm(torch.nn.LayerNorm):
+    """Computes in the dtype of its weight (fp32 when kept), as transformers' norms do."""
+
+    def forward(self, h):
+        return super().forward(h.to(self.weight.dtype))
+
+
+class SinkNet(torch.nn.Module):
+    _keep_in_fp32_modules_strict = LISTED
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.attn = Attention()
+        self.norm = Norm(HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, 3)
+        self.register_buffer("bias_buf", torch.full((HIDDEN, ), 8.0) + 1e-3 * torch.arange(HIDDEN))
+
+    def forward(self, x, grad_boost=0.0):
+        h = self.attn(self.lin(x), grad_boost)
+        h = self.norm(h.float() + 1e-3 * self.bias_buf).to(h.dtype)
+        return self.out(h).float().pow(2).mean()
+
+
+class NormToFp32Net(SinkNet):
+    """Moves its norm to fp32 in ``__init__``, as DeepSeek-V4 does: under zero.Init that changes the parameters'
+    empty ``data``, not their partitions."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm.to(torch.float32)
+
+
+class MultimodalNet(torch.nn.Module):
+    """Lists nothing itself; the language model's list applies to its own parameters only."""
+
+    def __init__(self):
+        super().__init__()
+        self.language_model = SinkNet()
+        self.vision = Attention()  # has a `sinks` parameter too, not listed by anyone
+
+    def forward(self, x, grad_boost=0.0):
+        return self.language_model(self.vision(x).to(x.dtype), grad_boost)
+
+
+def _config(keep="auto", dtype="bf16", **zero):
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": zero.pop("ga", 1),
+        "steps_per_print": 1000,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": 1e-5,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            **zero
+        },
+    }
+    if dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 1}
+    elif dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    if keep != "auto":
+        config["data_types"] = {"keep_in_fp32_modules": keep}
+    return config
+
+
+def _allow_fp16_on_cpu():
+    # DeepSpeed's CPU accelerator reports fp16 as unsupported without oneDNN fp16 kernels; the tiny fp16 models here
+    # run fine in plain torch.
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+        accelerator.is_fp16_supported = lambda: True
+
+
+def _sinks(model):
+    return model.language_model.attn.sinks if isinstance(model, MultimodalNet) else model.attn.sinks
+
+
+def _build(config, model_cls=SinkNet, zero_init=True):
+    """The model, with the sinks set to SINK_VALUES after init (by rank 0, under zero.Init)."""
+    torch.manual_seed(42)
+    if zero_init:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = model_cls()
+    else:
+        model = model_cls()
+    sinks = _sinks(model)
+    with deepspeed.zero.GatheredParameters([sinks], modifier_rank=0):
+        if not zero_init or dist.get_rank() == 0:
+            sinks.data.copy_(SINK_VALUES)
+    return model
+
+
+def _engine(config, model_cls=SinkNet, zero_init=True):
+    if "fp16" in config:
+        _allow_fp16_on_cpu()
+    model = _build(config, model_cls, zero_init)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _half(config):
+    return torch.float16 if "fp16" in config else torch.bfloat16
+
+
+def _batch(step, config):
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(2, HIDDEN, generator=gen).to(_half(config))
+
+
+def _train(engine, config, steps, **forward_kwargs):
+    losses = []
+    for step in range(steps * engine.gradient_accumulation_steps()):
+        loss = engine(_batch(step, config), **forward_kwargs)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _gathered(param):
+    with deepspeed.zero.GatheredParameters([param]):
+        return param.data.detach().clone()
+
+
+def _listed_names(model):
+    return {name for name, _ in model.named_parameters() if "sink" in name or "norm" in name}
+
+
+def _check_dtypes(model, kept, half_dtype):
+    """Partitions and parameters: the names in ``kept`` in fp32, every other one in ``half_dtype``."""
+    for name, param in model.named_parameters():
+        want = torch.float32 if name in kept else half_dtype
+        assert param.dtype == want, f"{name} is {param.dtype}, expected {want}"
+        assert param.ds_tensor.dtype == want, f"the partition of {name} is {param.ds_tensor.dtype}, expected {want}"
+    assert model.get_buffer("bias_buf" if isinstance(model, SinkNet) else "language_model.bias_buf").dtype == \
+        torch.float32
+
+
+def _check_kept_and_updated(engine):
+    """Every kept parameter moved below bf16's resolution, and the forward pass sees its master exactly."""
+    for name, param in engine.module.named_parameters():
+        if param.dtype != torch.float32:
+            continue
+        master = safe_get_full_fp32_param(param)
+        gathered = _gathered(param)
+        assert gathered.dtype == torch.float32, name
+        assert torch.equal(gathered, master), f"{name}: the gathered value differs from its fp32 master"
+    sinks = _sinks(engine.module)
+    value = _gathered(sinks)
+    assert not torch.equal(value, SINK_VALUES), "the sinks did not move"
+    assert (value - SINK_VALUES).abs().max() < 1e-3, "the sinks moved by more than a few Adam steps can"
+    assert not torch.equal(value, value.bfloat16().float()), "the sinks are on the bf16 grid"
+
+
+class TestZeroInitKeepsValues(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("keep", ["auto", ["sink", "norm", "bias_buf"]])
+    @pytest.mark.parametrize("model_cls", [SinkNet, MultimodalNet])
+    def test_listed_params_hold_exact_fp32(self, keep, model_cls):
+        config = _config(keep=keep)
+        engine = _engine(config, model_cls)
+        model = engine.module
+        kept = _listed_names(model)
+        if model_cls is MultimodalNet:
+            kept = {name for name in kept if name.startswith("language_model.")}
+            if keep != "auto":  # an explicit list applies to every name it matches
+                kept |= {"vision.sinks", "vision.sink_gate"}
+        assert len(kept) == (4 if model_cls is SinkNet or keep == "auto" else 6)
+        _check_dtypes(model, kept, torch.bfloat16)
+        assert torch.equal(_gathered(_sinks(model)), SINK_VALUES)
+
+    @pytest.mark.parametrize("model_cls", [SinkNet, MultimodalNet])
+    def test_empty_list_keeps_nothing(self, model_cls):
+        engine = _engine(_config(keep=[]), model_cls)
+        for name, param in engine.module.named_parameters():
+            assert param.dtype == param.ds_tensor.dtype == torch.bfloat16, name
+        sinks = _gathered(_sinks(engine.module))
+        assert torch.equal(sinks, SINK_VALUES.bfloat16())
+        assert not torch.equal(sinks.float(), SINK_VALUES)
+
+
+class TestModuleMovedToFp32InInit(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("keep", ["auto", []])
+    def test_partitions_decide(self, keep):
+        config = _config(keep=keep)
+        engine = _engine(config, NormToFp32Net)
+        kept = _listed_names(engine.module) if keep == "auto" else set()
+        for name, param in engine.module.named_parameters():
+            assert param.ds_tensor.dtype == (torch.float32 if name in kept else torch.bfloat16), name
+        losses = _train(engine, config, steps=2)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        if keep == "auto":
+            _check_kept_and_updated(engine)
+
+
+class TestSubResolutionUpdates(DistributedTest):
+    """Every combination of zero.Init x contiguous gradients x optimizer offload x gradient accumulation."""
+    world_size = 2
+
+    @pytest.mark.parametrize("ga", [1, 2])
+    @pytest.mark.parametrize("offload", [False, True])
+    @pytest.mark.parametrize("contiguous_gradients", [True, False])
+    @pytest.mark.parametrize("zero_init", [True, False])
+    def test_update_survives(self, zero_init, contiguous_gradients, offload, ga):
+        zero = {"contiguous_gradients": contiguous_gradients, "ga": ga}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        config = _config(**zero)
+        engine = _engine(config, zero_init=zero_init)
+        _check_dtypes(engine.module, _listed_names(engine.module), torch.bfloat16)
+        losses = _train(engine, config, steps=3)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        _check_kept_and_updated(engine)
+
+
+class TestConfigVariants(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("zero", [
+        {
+            "reduce_scatter": False
+        },
+        {
+            "overlap_comm": True
+        },
+        {
+            "stage3_param_persistence_threshold": 10
+        },
+        {
+            "stage3_use_all_reduce_for_fetch_params": True
+        },
+        {
+            "stage3_prefetch_bucket_size": 20
+        },
+        {
+            "sub_group_size": 16,
+            "reduce_bucket_size": 16
+        },
+    ],
+                             ids=["no_reduce_scatter", "overlap_comm", "persistence", "all_reduce_fetch", "prefetch",
+                                  "small_buckets"])
+    def test_variant(self, zero):
+        config = _config(**zero)
+        engine = _engine(config)
+        losses = _train(engine, config, steps=3)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        _check_kept_and_updated(engine)
+
+
+class TestFetchCollectives(DistributedTest):
+    """A parameter fetch is one collective per dtype, never one per parameter."""
+    world_size = 2
+
+    @pytest.mark.parametrize("all_reduce", [False, True])
+    def test_one_collective_per_dtype(self, all_reduce):
+        config = _config(stage3_use_all_reduce_for_fetch_params=all_reduce, stage3_prefetch_bucket_size=0)
+        engine = _engine(config)
+        _train(engine, config, steps=1)  # the first step traces the modules
+
+        calls = []
+        name = "all_reduce" if all_reduce else "allgather_fn"
+        original = getattr(dist, name)
+
+        def spy(*args, **kwargs):
+            calls.append(args[0].dtype)  # all_reduce(tensor, ...), allgather_fn(output_tensor, ...)
+            return original(*args, **kwargs)
+
+        setattr(dist, name, spy)
+        try:
+            with torch.no_grad():
+                engine(_batch(7, config))
+        finally:
+            setattr(dist, name, original)
+        # lin: 2 bf16; attn: 2 bf16 + 2 fp32; norm: 2 fp32; out: 2 bf16 -> one collective per module and dtype
+        counts = {dtype: calls.count(dtype) for dtype in set(calls)}
+        assert counts == {torch.bfloat16: 3, torch.float32: 2}, counts
+
+
+class TestCheckpoint(DistributedTest):
+    world_size = 2
+
+    def test_round_trip_is_exact_and_training_continues(self, tmp_path):
+        config = _config()
+        engine = _engine(config)
+        _train(engine, config, steps=2)
+        engine.save_checkpoint(str(tmp_path))
+        names = [name for name, _ in engine.module.named_parameters()]
+
+        def snapshot(engine):
+            params = dict(engine.module.named_parameters())
+            return {
+                name: (_gathered(params[name]), safe_get_full_fp32_param(params[name]),
+                       safe_get_full_optimizer_state(params[name], "exp_avg"),
+                       safe_get_full_optimizer_state(params[name], "exp_avg_sq"))
+                for name in names
+            }
+
+        saved = snapshot(engine)
+        torch.manual_seed(7)
+        loaded = _engine(config)
+        loaded.load_checkpoint(str(tmp_path))
+        restored = snapshot(loaded)
+        for name in names:
+            for what, a, b in zip(("param", "master", "exp_avg", "exp_avg_sq"), saved[name], restored[name]):
+                assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {what} differs after the load"
+        _check_dtypes(loaded.module, _listed_names(loaded.module), torch.bfloat16)
+
+        # both continue the same way
+        assert _train(engine, config, steps=2) == _train(loaded, config, steps=2)
+        after, after_loaded = snapshot(engine), snapshot(loaded)
+        for name in names:
+            assert all(torch.equal(a, b) for a, b in zip(after[name], after_loaded[name])), name
+        _check_kept_and_updated(loaded)
+
+        # zero_to_fp32 returns the exact values of the kept parameters
+        loaded.save_checkpoint(str(tmp_path / "again"))
+        if dist.get_rank() == 0:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "again"))
+            for name in names:
+                assert torch.equal(state_dict[name], after_loaded[name][1]), name
+        dist.barrier()
+
+    @pytest.mark.parametrize("saved_keep, loaded_keep", [([], "auto"), ("auto", [])])
+    def test_other_setting_stops_or_loads_weights(self, saved_keep, loaded_keep, tmp_path):
+        saved_config = _config(keep=saved_keep)
+        engine = _engine(saved_config)
+        _train(engine, saved_config, steps=2)
+        engine.save_checkpoint(str(tmp_path))
+        masters = {name: safe_get_full_fp32_param(p) for name, p in engine.module.named_parameters()}
+
+        config = _config(keep=loaded_keep)
+        torch.manual_seed(7)
+        loaded = _engine(config)
+        with pytest.raises(RuntimeError, match="keep_in_fp32_modules") as error:
+            loaded.load_checkpoint(str(tmp_path))
+        assert "load_optimizer_states=False" in str(error.value)
+
+        # the way through: the weights alone, each as exact as its dtype in this run can hold it
+        loaded.load_checkpoint(str(tmp_path), load_optimizer_states=False, load_lr_scheduler_states=False)
+        for name, param in loaded.module.named_parameters():
+            value = _gathered(param)
+            assert torch.equal(value, masters[name].to(value.dtype)), name
+            assert torch.equal(safe_get_full_fp32_param(param), value.float()), name
+        losses = _train(loaded, config, steps=2)
+        assert all(torch.isfinite(torch.tensor(losses)))
+
+
+class TestSafeAccessors(DistributedTest):
+    world_size = 2
+
+    def test_set_full_fp32_param(self):
+        # the sinks have 6 elements, 3 a rank: safe_set_full_fp32_param does not take padded partitions in 0.19.8
+        config = _config()
+        engine = _engine(config)
+        _train(engine, config, steps=1)
+        sinks = engine.module.attn.sinks
+        new = SINK_VALUES + 3e-5
+        safe_set_full_fp32_param(sinks, new)
+        assert torch.equal(safe_get_full_fp32_param(sinks), new)
+        assert torch.equal(_gathered(sinks), new)
+
+    def test_global_norm_covers_both_dtypes(self):
+        # the sinks' gradient dominates the global norm, so leaving the fp32 gradients out would show
+        config = _config()
+        config["gradient_clipping"] = 1.0
+        engine = _engine(config)
+        loss = engine(_batch(0, config), grad_boost=1e3)
+        engine.backward(loss)
+        grads = {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
+        assert grads["attn.sinks"].dtype == torch.float32
+        expected = torch.stack([g.float().norm() for g in grads.values()]).norm()
+        assert grads["attn.sinks"].norm() > 0.9 * expected
+        engine.step()
+        norm = float(engine.get_global_grad_norm())
+        assert norm == pytest.approx(expected.item(), rel=1e-4)
+        assert norm > 1.0  # so the step was clipped
+        _check_kept_and_updated(engine)
+
+
+class TestFp16(DistributedTest):
+    world_size = 2
+
+    def test_trains_with_loss_scaling(self):
+        config = _config(dtype="fp16")
+        engine = _engine(config)
+        kept = _listed_names(engine.module)
+        _check_dtypes(engine.module, kept, torch.float16)
+        losses = _train(engine, config, steps=3)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        _check_kept_and_updated(engine)
+
+    def test_overflow_in_fp32_gradient_skips_the_step(self):
+        config = _config(dtype="fp16")
+        engine = _engine(config)
+        _train(engine, config, steps=1)
+        before = {name: safe_get_full_fp32_param(p) for name, p in engine.module.named_parameters()}
+        scale = engine.optimizer.loss_scale
+        # the loss is finite; only the fp32 gradient of the sinks overflows (about 1e60)
+        loss = engine(_batch(1, config), grad_boost=1e30)
+        assert torch.isfinite(loss)
+        engine.backward(loss)
+        engine.step()
+        assert engine.skipped_steps == 1
+        assert engine.optimizer.loss_scale == scale / 2
+        for name, param in engine.module.named_parameters():
+            assert torch.equal(safe_get_full_fp32_param(param), before[name]), f"{name} changed in a skipped step"
+
+
+def _capture_warnings():
+    records = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    return records
+
+
+class TestOneDtypeOptimizers(DistributedTest):
+    """Where the optimizer holds one dtype, listed buffers stay in fp32 and listed parameters do not."""
+    world_size = 2
+
+    def test_param_offload_keeps_buffers_only(self):
+        records = _capture_warnings()
+        config = _config(offload_param={"device": "cpu"})
+        engine = _engine(config)
+        for name, param in engine.module.named_parameters():
+            assert param.ds_tensor.dtype == torch.bfloat16, name
+        assert engine.module.bias_buf.dtype == torch.float32
+        messages = [r.getMessage() for r in records if "keep_in_fp32_modules" in r.getMessage()]
+        assert len(messages) == 1 and "4 parameters" in messages[0] and "offload" in messages[0], messages
+        _train(engine, config, steps=1)
+
+    @pytest.mark.parametrize("stage", [0, 1, 2])
+    def test_auto_warns_and_trains_listed_params_in_bf16(self, stage):
+        records = _capture_warnings()
+        config = _config()
+        config["zero_optimization"] = {"stage": stage}
+        engine = _engine(config, zero_init=False)
+        for name, param in engine.module.named_parameters():
+            assert param.dtype == torch.bfloat16, name
+        assert engine.module.bias_buf.dtype == torch.float32
+        messages = [r.getMessage() for r in records if "keep_in_fp32_modules" in r.getMessage()]
+        assert len(messages) == 1 and "4 parameters" in messages[0], messages
+        _train(engine, config, steps=1)
+
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_explicit_list_naming_params_is_refused(self, stage):
+        config = _config(keep=["sink"])
+        config["zero_optimization"] = {"stage": stage}
+        with pytest.raises(ValueError, match="keep_in_fp32_modules"):
+            _engine(config, zero_init=False)
+        config = _config(keep=["bias_buf"])  # buffers alone are fine
+        config["zero_optimization"] = {"stage": stage}
+        engine = _engine(config, zero_init=False)
+        assert engine.module.bias_buf.dtype == torch.float32

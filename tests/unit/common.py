@@ -30,6 +30,7 @@ The pytest hooks at the bottom are registered by tests/conftest.py (``pytest_plu
 """
 
 import faulthandler
+import glob
 import multiprocessing
 import os
 import pickle
@@ -111,6 +112,19 @@ def _stop(procs, wait_s=0, dump_stacks=False):
             p.join(10)
 
 
+def _remove_shm_buffers(port):
+    """Remove the shared-memory buffers of DeepSpeed's CPU comm op for the run on ``port``.
+
+    The op creates one per rank in /dev/shm and never removes it (66 MiB each): a suite of a hundred runs would fill
+    /dev/shm.
+    """
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def run_distributed(cls, name, world_size, kwargs=None, timeout=None, label=None):
     """Run ``cls().<name>(**kwargs)`` on ``world_size`` ranks; ``pytest.fail`` if a rank fails or time runs out.
 
@@ -167,6 +181,7 @@ def run_distributed(cls, name, world_size, kwargs=None, timeout=None, label=None
         _stop(procs, wait_s=0 if missing else 10, dump_stacks=bool(missing))
     finally:
         _stop(procs)
+        _remove_shm_buffers(port)
 
     failed = sorted((t, rank, text) for rank, (outcome, t, text) in reports.items() if outcome == "failed")
     skipped = {rank: text for rank, (outcome, _, text) in reports.items() if outcome == "skipped"}

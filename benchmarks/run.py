@@ -1,0 +1,584 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The cost of keeping the listed parameters in fp32 under ZeRO-3, side by side with pristine DeepSpeed 0.19.8.
+
+One command, one machine, one run. For every model and world size it trains three times with the same weights,
+data and config (ZeRO-3, bf16, AdamW, gradient clipping, one subprocess per rank):
+
+* ``pristine``: pristine DeepSpeed 0.19.8 (``PYTHONPATH=build/pristine``), its default config;
+* ``series []``: the patch series with ``data_types.keep_in_fp32_modules: []`` (nothing kept);
+* ``series kept``: the series keeping the listed parameters in fp32: ``"auto"`` (the default) for DeepSeek-V4;
+  for gpt-oss, which lists only ``_keep_in_fp32_modules`` (kept under fp16 only), the explicit list
+  ``["sinks", "norm"]`` under bf16 (``--gpt-oss-mode fp16`` uses fp16 with ``"auto"`` instead).
+
+Measured: step time (min/median/max over the steps after warm-up; a step's time is its slowest rank's), peak
+memory (peak RSS of each rank on the CPU; the allocator's peak on a GPU), the bytes the ZeRO-3 optimizer holds
+(by component) and, on the CPU, a census of all live tensor storages, against the theoretical extra; and the
+collectives per step by kind and dtype (counted at DeepSpeed's communication backend; DeepSpeed's comms logger,
+switched on for one extra step, gives the same counts by op name). Then a synthetic model whose listed parameters
+(``keep_in_fp32_modules: ["keep"]``) are 0.1 %, 1 % and 10 % of all elements.
+
+    .venv/bin/python benchmarks/run.py --out out/bench           # default: about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/run.py --quick --out out/bench-quick
+    .venv/bin/python benchmarks/run.py --world-sizes 1 --out out/bench-gpu   # one CUDA GPU (NCCL)
+
+Writes DIR/results.json (everything, per rank) and DIR/results.md (the tables, the command, the machine).
+"""
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+VARIANTS = ("pristine", "series []", "series kept")
+THEORY_BYTES_PER_ELEMENT = 4  # 2 more in the parameter partition (fp32, not bf16) + 2 more in the grad partition
+REDUCE_BUCKET_SIZE = common.ds_config(1, 1)["zero_optimization"]["reduce_bucket_size"]
+
+MODEL_LABELS = {"deepseek_v4": "DeepSeek-V4 (tiny)", "gpt_oss": "gpt-oss (tiny)", "tiny_net": "synthetic"}
+
+
+def variant_setup(model, variant, gpt_oss_mode):
+    """(build, keep_in_fp32_modules, dtype) of one variant."""
+    dtype = "fp16" if (model == "gpt_oss" and gpt_oss_mode == "fp16") else "bf16"
+    if variant == "pristine":
+        return "pristine", common.UNSET, dtype
+    if variant == "series []":
+        return "patched", [], dtype
+    if model == "gpt_oss" and gpt_oss_mode == "list":
+        return "patched", ["sinks", "norm"], dtype
+    if model == "tiny_net":
+        return "patched", ["keep"], dtype
+    return "patched", common.UNSET, dtype
+
+
+def kept_description(model, gpt_oss_mode):
+    if model == "gpt_oss":
+        return ('explicit list ["sinks", "norm"] under bf16 (gpt-oss lists only _keep_in_fp32_modules, which '
+                'apply under fp16)' if gpt_oss_mode == "list" else '"auto" under fp16')
+    if model == "tiny_net":
+        return 'explicit list ["keep"]'
+    return '"auto" (the default: the model\'s _keep_in_fp32_modules_strict)'
+
+
+def run_group(args, model, world_size, extra_spec, label):
+    """The three variants back to back, ``--rounds`` times (pristine, [], kept, pristine, ...); step times pooled."""
+    group = {}
+    for rnd in range(args.rounds):
+        for variant in VARIANTS:
+            job = run_job(args, model, variant, world_size, extra_spec, label, rnd)
+            if variant in group:
+                group[variant]["rounds"].append(job["ranks"])
+            else:
+                job["rounds"] = [job["ranks"]]
+                group[variant] = job
+    for job in group.values():
+        job["summary"] = summarize(job["ranks"], job["rounds"])
+    return group
+
+
+def run_job(args, model, variant, world_size, extra_spec, label, rnd=0):
+    build, keep, dtype = variant_setup(model, variant, args.gpt_oss_mode)
+    spec = dict(model=model,
+                dtype=dtype,
+                micro_batch=args.micro_batch,
+                seq=args.seq,
+                seed=args.seed,
+                warmup=args.warmup,
+                steps=args.steps,
+                measure=True,
+                config=common.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype),
+                **extra_spec)
+    job_dir = Path(args.workdir) / label / f"ws{world_size}" / variant.replace(" ", "_").replace("[]", "empty")
+    if args.rounds > 1:
+        job_dir = job_dir / f"round{rnd}"
+    start = time.time()
+    ranks = common.launch(spec, build, world_size, job_dir)
+    print(
+        f"  {label:<28} ws={world_size} {variant:<12} {time.time() - start:6.1f} s  "
+        f"median step {summarize(ranks)['time']['median'] * 1e3:7.2f} ms",
+        flush=True)
+    return {
+        "model": model,
+        "variant": variant,
+        "world_size": world_size,
+        "keep": common.describe_keep(keep),
+        "dtype": dtype,
+        "build": build,
+        "ranks": ranks,
+        "summary": summarize(ranks)
+    }
+
+
+def run_paired(args, model, world_size, extra_spec, label):
+    """`series []` and `series kept` as two engines in the same processes, alternating steps (a paired timing)."""
+    _, keep_empty, dtype = variant_setup(model, "series []", args.gpt_oss_mode)
+    _, keep_kept, _ = variant_setup(model, "series kept", args.gpt_oss_mode)
+    configs = [
+        common.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype) for keep in (keep_empty, keep_kept)
+    ]
+    spec = dict(model=model,
+                dtype=dtype,
+                micro_batch=args.micro_batch,
+                seq=args.seq,
+                seed=args.seed,
+                warmup=args.warmup,
+                steps=args.paired_steps,
+                config=configs[0],
+                paired=configs,
+                **extra_spec)
+    job_dir = Path(args.workdir) / label / f"ws{world_size}" / "paired"
+    start = time.time()
+    ranks = common.launch(spec, "patched", world_size, job_dir)
+    steps = len(ranks[0]["step_times"][0])
+    wall = [[max(r["step_times"][i][s] for r in ranks) for s in range(steps)] for i in range(2)]
+    cpu = [[sum(r["cpu_times"][i][s] for r in ranks) for s in range(steps)] for i in range(2)]
+    summary = {
+        "steps": steps,
+        "empty_median": common.stats(wall[0])["median"],
+        "kept_median": common.stats(wall[1])["median"],
+        "median_step_ratio": common.stats([b / a for a, b in zip(*wall)])["median"],
+        "median_step_ratio_ci95": bootstrap_median_ci([b / a for a, b in zip(*wall)]),
+        "total_ratio": ratio(sum(wall[1]), sum(wall[0])),
+        "cpu_total_ratio": ratio(sum(cpu[1]), sum(cpu[0])),
+        "cpu_median_step_ratio": common.stats([b / a for a, b in zip(*cpu)])["median"],
+        "fp32_params": ranks[0]["fp32_params"],
+    }
+    print(
+        f"  {label:<28} ws={world_size} paired       {time.time() - start:6.1f} s  "
+        f"kept / [] {summary['median_step_ratio']:.3f} (median of step ratios)",
+        flush=True)
+    return {
+        "model": model,
+        "variant": "paired: series [] | series kept",
+        "world_size": world_size,
+        "keep": [common.describe_keep(keep_empty), common.describe_keep(keep_kept)],
+        "dtype": dtype,
+        "build": "patched",
+        "ranks": ranks,
+        "summary": summary
+    }
+
+
+def bootstrap_median_ci(values, resamples=2000, seed=0):
+    """95 % bootstrap confidence interval of the median of ``values`` (percentile method, seeded)."""
+    import random
+    if len(values) < 2:
+        return [float("nan"), float("nan")]
+    rng = random.Random(seed)
+    medians = sorted(common.stats([rng.choice(values) for _ in values])["median"] for _ in range(resamples))
+    return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
+
+
+def paired_table(paired):
+    rows = []
+    for (label, ws), job in paired.items():
+        s = job["summary"]
+        rows.append([
+            label, ws, s["steps"], f"{s['fp32_params'][0]} / {s['fp32_params'][1]}", f"{s['empty_median'] * 1e3:.2f}",
+            f"{s['kept_median'] * 1e3:.2f}",
+            f"{fmt_ratio(s['median_step_ratio'])} [{fmt_ratio(s['median_step_ratio_ci95'][0])}, "
+            f"{fmt_ratio(s['median_step_ratio_ci95'][1])}]",
+            fmt_ratio(s["total_ratio"]),
+            fmt_ratio(s["cpu_median_step_ratio"]),
+            fmt_ratio(s["cpu_total_ratio"])
+        ])
+    return common.markdown_table([
+        "model", "world", "step pairs", "fp32 params ([] / kept)", "[] step ms (median)", "kept step ms (median)",
+        "kept / []: median of step ratios [95 % CI]", "kept / []: total time", "CPU: median of step ratios",
+        "CPU: total"
+    ], rows)
+
+
+def step_times(ranks):
+    """Each timed step's time: that of its slowest rank."""
+    return [max(r["step_times"][s] for r in ranks) for s in range(len(ranks[0]["step_times"]))]
+
+
+def cpu_times(ranks):
+    """Each timed step's CPU time, summed over the ranks."""
+    return [sum(r["cpu_times"][s] for r in ranks) for s in range(len(ranks[0]["cpu_times"]))]
+
+
+def summarize(ranks, rounds=None):
+    """Summary of a job; step times pooled over ``rounds`` (lists of ranks), the rest from the first round."""
+    per_step = [t for rnd in (rounds or [ranks]) for t in step_times(rnd)]
+    cpu_per_step = [t for rnd in (rounds or [ranks]) for t in cpu_times(rnd)]
+    s = {"time": common.stats(per_step), "cpu": common.stats(cpu_per_step), "timed_steps": len(per_step)}
+    s["peak_rss_sum"] = sum(r["peak_rss_bytes"] for r in ranks)
+    s["peak_rss_max"] = max(r["peak_rss_bytes"] for r in ranks)
+    if "live_tensor_bytes" in ranks[0]:
+        s["live_sum"] = sum(r["live_tensor_bytes"] for r in ranks)
+        s["live_peak_sum"] = sum(r["live_tensor_peak_bytes"] for r in ranks)
+    if "allocator_peak_bytes" in ranks[0]:
+        s["alloc_peak_sum"] = sum(r["allocator_peak_bytes"] for r in ranks)
+        s["alloc_peak_max"] = max(r["allocator_peak_bytes"] for r in ranks)
+        s["allocated_sum"] = sum(r["allocated_bytes"] for r in ranks)
+    s["optimizer_bytes_rank_mean"] = sum(sum(r["optimizer_bytes"].values()) for r in ranks) / len(ranks)
+    s["optimizer_components_rank_mean"] = {
+        k: sum(r["optimizer_bytes"][k] for r in ranks) / len(ranks)
+        for k in ranks[0]["optimizer_bytes"]
+    }
+    s["kept_elements"] = ranks[0]["kept_elements"]
+    s["kept_partition_elements"] = ranks[0]["kept_partition_elements"]
+    s["n_elements"] = ranks[0]["n_elements"]
+    s["fp32_params"] = len(ranks[0]["fp32_params"])
+    s["comm"] = {k: v[0] for k, v in ranks[0]["comm_per_step"].items()}
+    s["comm_bytes"] = {k: v[1] for k, v in ranks[0]["comm_per_step"].items()}
+    s["comms_logger"] = ranks[0].get("comms_logger", {})
+    s["final_loss"] = sum(r["losses"][-1] for r in ranks) / len(ranks)
+    return s
+
+
+def design_extra_bytes(kept):
+    """The extra per rank the series' ZeRO-3 design implies, with contiguous gradients (the default).
+
+    Per kept element of the rank's partition: +2 bytes in the parameter partition (fp32, not bf16), +2 in the gradient
+    partition (fp32 accumulation), -4 for the fp32 master copy, which the series does not make for fp32 sub-groups (the
+    optimizer updates their partitions in place). Plus the fp32 reduce bucket: 4 bytes per element of the kept
+    parameters' full (unpartitioned) size, at most reduce_bucket_size elements.
+    """
+    partition = kept["kept_partition_elements"]
+    bucket = min(REDUCE_BUCKET_SIZE, kept["kept_elements"]) if partition else 0
+    return (2 + 2 - 4) * partition + 4 * bucket
+
+
+def ratio(a, b):
+    return a / b if b else float("nan")
+
+
+def fmt_ratio(x):
+    return "n/a" if x != x else f"{x:.3f}"
+
+
+def fmt_count(x):
+    return str(int(x)) if float(x).is_integer() else f"{x:.2f}"
+
+
+def mib(x):
+    return f"{x / 2**20:.1f}"
+
+
+def kib(x):
+    return f"{x / 2**10:.1f}"
+
+
+def section_tables(jobs, gpu):
+    """Markdown tables for a list of jobs grouped as (label, world_size) -> {variant: job}."""
+    out = {}
+    time_rows, mem_rows, theory_rows, comm_rows, logger_rows = [], [], [], [], []
+    comm_keys = sorted({k for group in jobs.values() for j in group.values() for k in j["summary"]["comm"]})
+    for (label, ws), group in jobs.items():
+        base = group["pristine"]["summary"]
+        for variant in VARIANTS:
+            if variant not in group:
+                continue
+            j = group[variant]
+            s = j["summary"]
+            t = s["time"]
+            share = 100.0 * s["kept_elements"] / s["n_elements"] if s["n_elements"] else 0
+            time_rows.append([
+                label, ws, variant, j["keep"], f"{s['fp32_params']} ({share:.2f} %)",
+                f"{t['min'] * 1e3:.2f} / {t['median'] * 1e3:.2f} / {t['max'] * 1e3:.2f}",
+                fmt_ratio(ratio(t["median"], base["time"]["median"])),
+                fmt_ratio(ratio(t["min"], base["time"]["min"])), f"{s['cpu']['median'] * 1e3:.2f}",
+                fmt_ratio(ratio(s["cpu"]["median"], base["cpu"]["median"]))
+            ])
+            if gpu:
+                mem_rows.append([
+                    label, ws, variant,
+                    mib(s["alloc_peak_sum"]),
+                    mib(s["alloc_peak_max"]),
+                    fmt_ratio(ratio(s["alloc_peak_sum"], base["alloc_peak_sum"])),
+                    kib(s["optimizer_bytes_rank_mean"])
+                ])
+            else:
+                mem_rows.append([
+                    label, ws, variant,
+                    mib(s["peak_rss_sum"]),
+                    mib(s["peak_rss_max"]),
+                    fmt_ratio(ratio(s["peak_rss_sum"], base["peak_rss_sum"])),
+                    kib(s["live_peak_sum"]),
+                    fmt_ratio(ratio(s["live_peak_sum"], base["live_peak_sum"])),
+                    kib(s["optimizer_bytes_rank_mean"])
+                ])
+            comm_rows.append([label, ws, variant] + [fmt_count(s["comm"].get(k, 0)) for k in comm_keys])
+            logger_rows.append(
+                [label, ws, variant, ", ".join(f"{k} {v}" for k, v in sorted(s["comms_logger"].items())) or "-"])
+        if "series kept" in group and "series []" in group:
+            kept, empty = group["series kept"]["summary"], group["series []"]["summary"]
+            theory = THEORY_BYTES_PER_ELEMENT * kept["kept_partition_elements"]
+            design = design_extra_bytes(kept)
+            opt_extra = kept["optimizer_bytes_rank_mean"] - empty["optimizer_bytes_rank_mean"]
+            row = [
+                label, ws, kept["kept_elements"], kept["kept_partition_elements"],
+                kib(theory),
+                kib(design),
+                kib(opt_extra),
+                fmt_ratio(ratio(opt_extra, theory)),
+                fmt_ratio(ratio(opt_extra, design))
+            ]
+            if gpu:
+                extra = (kept["alloc_peak_sum"] - empty["alloc_peak_sum"]) / ws
+            else:
+                extra = (kept["live_peak_sum"] - empty["live_peak_sum"]) / ws
+            row += [kib(extra), fmt_ratio(ratio(extra, theory))]
+            comps = kept["optimizer_components_rank_mean"]
+            comps0 = empty["optimizer_components_rank_mean"]
+            row.append("; ".join(f"{k} {'+' if comps[k] - comps0.get(k, 0) >= 0 else ''}"
+                                 f"{kib(comps[k] - comps0.get(k, 0))}"
+                                 for k in comps if comps[k] != comps0.get(k, 0)) or "-")
+            theory_rows.append(row)
+    out["time"] = common.markdown_table([
+        "model", "world", "variant", "keep_in_fp32_modules", "fp32 params (share of elements)",
+        "step ms min / median / max", "median ratio to pristine", "min ratio to pristine",
+        "CPU ms per step, all ranks (median)", "CPU ratio to pristine"
+    ], time_rows)
+    if gpu:
+        out["memory"] = common.markdown_table([
+            "model", "world", "variant", "allocator peak, sum of ranks (MiB)", "max rank (MiB)", "ratio to pristine",
+            "ZeRO-3 optimizer state per rank (KiB)"
+        ], mem_rows)
+    else:
+        out["memory"] = common.markdown_table([
+            "model", "world", "variant", "peak RSS, sum of ranks (MiB)", "max rank (MiB)", "RSS ratio to pristine",
+            "live tensors at peak, sum of ranks (KiB)", "live tensors ratio", "ZeRO-3 optimizer state per rank (KiB)"
+        ], mem_rows)
+    out["theory"] = common.markdown_table([
+        "model", "world", "kept elements", "kept elements per rank partition", "theoretical extra per rank (KiB)",
+        "extra by the series' design (KiB)",
+        "optimizer-held extra per rank (KiB)", "measured / theoretical", "measured / design",
+        ("allocator peak" if gpu else "live-tensor peak") + " extra per rank (KiB)", "measured / theoretical",
+        "optimizer extra by component (KiB per rank)"
+    ], theory_rows)
+    out["comm"] = common.markdown_table(["model", "world", "variant"] + [k.replace("|", " ") for k in comm_keys],
+                                        comm_rows)
+    out["logger"] = common.markdown_table(["model", "world", "variant", "comms logger, one step: op count"],
+                                          logger_rows)
+    return out
+
+
+def comm_check(jobs):
+    """Lines checking the collectives rule: the training-dtype collectives are unchanged, fp32 ones are added."""
+    lines = []
+    for (label, ws), group in jobs.items():
+        if "series kept" not in group:
+            continue
+        kept, empty, base = (group[v]["summary"]["comm"] for v in ("series kept", "series []", "pristine"))
+        same_base = empty == base
+        extra = {
+            k: kept.get(k, 0) - empty.get(k, 0)
+            for k in set(kept) | set(empty) if kept.get(k, 0) != empty.get(k, 0)
+        }
+        fetches = sum(v for k, v in empty.items() if k.startswith("all-gather"))
+        buckets = sum(v for k, v in empty.items() if k.startswith("reduce-scatter"))
+        fp32_ag = sum(v for k, v in extra.items() if k.startswith("all-gather"))
+        fp32_rs = sum(v for k, v in extra.items() if k.startswith("reduce-scatter"))
+        others = {k: v for k, v in extra.items() if not k.startswith(("all-gather|float32", "reduce-scatter|float32"))}
+        changes = ", ".join(f"{k.replace('|', ' ')} {v:+g}" for k, v in sorted(extra.items())) or "no change"
+        line = (f"- {label}, world size {ws}: series [] vs pristine: "
+                f"{'identical counts' if same_base else 'DIFFERENT counts'}; kept vs []: {changes}: "
+                f"{fmt_count(fp32_ag)} fp32 all-gathers for {fmt_count(fetches)} fetches, {fmt_count(fp32_rs)} fp32 "
+                f"reduce-scatters for {fmt_count(buckets)} reduce buckets")
+        if others:
+            norm = others.pop("all-reduce|float64", None)
+            if norm:
+                line += (f"; {fmt_count(norm)} more fp64 all-reduce: the gradient norm of the fp32 sub-group "
+                         "(ZeRO-3 all-reduces one norm per sub-group)")
+            if others:
+                line += "; other changes: " + ", ".join(f"{k} {v:+g}" for k, v in sorted(others.items()))
+        lines.append(line)
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few steps, world size 2, one share: a smoke run")
+    parser.add_argument("--out", default=str(common.ROOT / "out" / "bench"), help="folder for results.{json,md}")
+    parser.add_argument("--workdir", default=None, help="folder for the jobs (default: OUT/jobs)")
+    parser.add_argument("--world-sizes", default=None, help="comma-separated (default 2,4; --quick: 2)")
+    parser.add_argument("--models", default="deepseek_v4,gpt_oss")
+    parser.add_argument("--shares",
+                        default=None,
+                        help='listed shares of the synthetic model (default 0.001,0.01,0.1; "" for none)')
+    parser.add_argument("--gpt-oss-mode", choices=("list", "fp16"), default="list")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; --quick: 4)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --quick: 1)")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--synthetic-dim", type=int, default=256)
+    parser.add_argument("--synthetic-layers", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--no-paired",
+                        action="store_true",
+                        help="skip the paired timing (series [] and kept as two engines in the same processes)")
+    parser.add_argument("--paired-steps",
+                        type=int,
+                        default=None,
+                        help="timed step pairs of the paired timing (default 100; --quick: 4)")
+    parser.add_argument("--rounds",
+                        type=int,
+                        default=1,
+                        help="run each row group's three variants this many times, interleaved; step times pooled")
+    args = parser.parse_args()
+    if args.world_sizes is None:
+        args.world_sizes = "2" if args.quick else "2,4"
+    if args.shares is None:
+        args.shares = "0.01" if args.quick else "0.001,0.01,0.1"
+    args.world_sizes = [int(w) for w in args.world_sizes.split(",") if w]
+    args.shares = [float(s) for s in args.shares.split(",") if s]
+    args.steps = args.steps if args.steps is not None else (4 if args.quick else 20)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    if args.paired_steps is None:
+        args.paired_steps = 4 if args.quick else 100
+    models = [m for m in args.models.split(",") if m]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.workdir = args.workdir or str(out / "jobs")
+
+    machine = common.machine_description()
+    gpu = common.on_gpu()
+    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+    started = time.time()
+    notes = []
+    if not gpu:
+        over = [ws for ws in args.world_sizes if ws > machine["cores_usable"]]
+        if over:
+            notes.append(f"World size {', '.join(map(str, over))} oversubscribes this machine's "
+                         f"{machine['cores_usable']} usable cores (one process per rank, OMP_NUM_THREADS=1): ranks "
+                         "time-share cores, so those step times measure scheduling as much as DeepSpeed.")
+    notes.append("Step times on a shared machine carry noise from other processes; compare the ratios of one "
+                 "row group (its variants run back to back) rather than absolute times. The min ratio and the CPU "
+                 "time per step (CPU seconds of all ranks' processes, which other processes' load and waiting in "
+                 "collectives do not add to) are the least noise-sensitive.")
+    series = common.dev_tree_state()
+    print(f"command: {command}\nmachine: {common.machine_line(machine)}\nseries: build/deepspeed at {series}")
+    for n in notes:
+        print(f"note: {n}")
+
+    model_jobs = {}
+    for model in models:
+        model_dir = common.save_hf_model(model, Path(args.workdir) / "models" / model, seed=args.seed)
+        for ws in args.world_sizes:
+            model_jobs[(MODEL_LABELS[model], ws)] = run_group(args, model, ws, {"model_dir": str(model_dir)}, model)
+    share_jobs = {}
+    for share in args.shares:
+        keep = common.keep_elements_for_share(share, args.synthetic_dim, args.synthetic_layers)
+        extra = dict(dim=args.synthetic_dim, layers=args.synthetic_layers, keep_per_block=keep)
+        ws = 2 if 2 in args.world_sizes else args.world_sizes[0]
+        share_jobs[(f"synthetic, {100 * share:g} % listed", ws)] = run_group(args, "tiny_net", ws, extra,
+                                                                             f"synthetic_{share:g}")
+    # Paired timing at one world size: [] and kept in the same processes, alternating steps.
+    paired = {}
+    if not args.no_paired:
+        ws = 2 if 2 in args.world_sizes else args.world_sizes[0]
+        for model in models:
+            model_dir = Path(args.workdir) / "models" / model
+            paired[(MODEL_LABELS[model], ws)] = run_paired(args, model, ws, {"model_dir": str(model_dir)}, model)
+        for share in args.shares:
+            keep = common.keep_elements_for_share(share, args.synthetic_dim, args.synthetic_layers)
+            extra = dict(dim=args.synthetic_dim, layers=args.synthetic_layers, keep_per_block=keep)
+            paired[(f"synthetic, {100 * share:g} % listed", ws)] = run_paired(args, "tiny_net", ws, extra,
+                                                                              f"synthetic_{share:g}")
+
+    elapsed = time.time() - started
+    series_end = common.dev_tree_state()
+    if series_end != series:
+        notes.append(f"The dev tree changed during the run ({series} -> {series_end}): the series rows may mix two "
+                     "versions; rerun for clean numbers.")
+    md = [
+        "# keep_in_fp32_modules under ZeRO-3: cost against pristine DeepSpeed 0.19.8", "", f"Command: `{command}`  ",
+        f"Machine: {common.machine_line(machine)}  ",
+        f"Series: the dev tree `build/deepspeed` at {series}; pristine: DeepSpeed 0.19.8 from `build/pristine`  ",
+        f"Device: {'CUDA GPU, NCCL, allocator peak' if gpu else 'CPU (DS_ACCELERATOR=cpu), gloo, peak RSS'}  ",
+        f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}; the whole run took {elapsed / 60:.1f} min",
+        "", f"Each row: ZeRO-3, {'bf16' if args.gpt_oss_mode == 'list' else 'bf16 (gpt-oss: fp16)'}, AdamW, gradient "
+        f"clipping 1.0, micro batch {args.micro_batch} x {args.seq} tokens per rank, "
+        f"stage3_param_persistence_threshold 0 (every parameter is fetched), reduce and prefetch buckets of 50,000 "
+        f"elements; {args.warmup} warm-up steps, then {args.steps} timed steps"
+        f"{f', in each of {args.rounds} interleaved rounds (pooled)' if args.rounds > 1 else ''}; a step's time is "
+        "its slowest rank's. "
+        "One subprocess per rank. The variants: `pristine` = DeepSpeed 0.19.8 with its default config; "
+        "`series []` = the patch series with `keep_in_fp32_modules: []`; `series kept` = the series keeping the "
+        "listed parameters in fp32, with: " + "; ".join(f"{MODEL_LABELS[m]}: {kept_description(m, args.gpt_oss_mode)}"
+                                                        for m in models + ["tiny_net"]) + ".", ""
+    ]
+    md += [f"Note: {n}" for n in notes] + [""]
+    results = {
+        "command": command,
+        "machine": machine,
+        "series": series,
+        "series_end": series_end,
+        "gpu": gpu,
+        "args": vars(args),
+        "notes": notes,
+        "jobs": []
+    }
+    for title, jobs in (("Models", model_jobs), ("Listed share (synthetic model)", share_jobs)):
+        if not jobs:
+            continue
+        tables = section_tables(jobs, gpu)
+        md += [f"## {title}", "", "### Step time", "", tables["time"], ""]
+        md += ["### Peak memory", "", tables["memory"], ""]
+        md += [
+            "### Memory against the theoretical extra", "",
+            f"Theoretical extra per rank: {THEORY_BYTES_PER_ELEMENT} bytes per kept element of the rank's partition "
+            "(2 more in the parameter partition, fp32 instead of bf16, and 2 more in the gradient partition). "
+            "Measured: `series kept` minus `series []`, per rank; the optimizer-held bytes count each storage the "
+            "ZeRO-3 optimizer holds once (parameter and gradient partitions, fp32 masters, reduce buckets, optimizer "
+            "states); " + ("the allocator peak is the GPU allocator's." if gpu else
+                           "the live-tensor peak is a census of all tensor storages Python reaches, after backward "
+                           "and after the step of one measured step (peak RSS is too coarse for a few KiB)."), "",
+            "The series' design (stage3.py) explains the difference: the fp32 sub-groups need no fp32 master copy "
+            "(-4 bytes per kept partition element), and their gradients go through an fp32 reduce bucket of their "
+            "own, 4 bytes per element of the kept parameters' full size (capped at reduce_bucket_size): "
+            "`extra by the series' design` = (2 + 2 - 4) x partition elements + 4 x min(reduce_bucket_size, kept "
+            "elements). That bucket is not partitioned, so measured / theoretical grows with the world size.", "",
+            tables["theory"], ""
+        ]
+        md += [
+            "### Collectives per step, by kind and dtype", "",
+            "Counted at DeepSpeed's communication backend over the timed steps, per rank (rank 0).", "",
+            tables["comm"], ""
+        ]
+        md += comm_check(jobs) + [""]
+        md += ["DeepSpeed's comms logger (by op name, no dtype), one extra step:", "", tables["logger"], ""]
+        for (label, ws), group in jobs.items():
+            for variant, job in group.items():
+                job_rec = {k: v for k, v in job.items() if k not in ("ranks", "rounds")}
+                job_rec["label"] = label
+                job_rec["ranks"] = job["ranks"]
+                job_rec["step_times_by_round"] = [step_times(r) for r in job["rounds"]]
+                results["jobs"].append(job_rec)
+    if paired:
+        md += [
+            "## Paired timing: series kept against series []", "",
+            "The step-time tables above compare separate jobs, one after another, so the machine's load in each "
+            "job's minute is part of the ratio. Here `series []` and `series kept` are two engines in the same "
+            "processes, built from the same weights, trained on the same batches in alternating steps ([] then kept, "
+            "then kept then [] ...), so the load falls on both alike. Pristine cannot share a process with the "
+            "series; with `[]` the series runs the same collectives and gives bitwise identical results "
+            f"(compare_pristine.py), so `kept / []` is the cost of keeping. {args.warmup} warm-up steps, then "
+            f"{args.paired_steps} timed steps per engine; the interval is a bootstrap over the step pairs.", "",
+            paired_table(paired), ""
+        ]
+        for (label, ws), job in paired.items():
+            rec = {k: v for k, v in job.items()}
+            rec["label"] = label
+            results["jobs"].append(rec)
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\n".join(md))
+    print(f"\nwritten: {out / 'results.md'}, {out / 'results.json'} ({elapsed / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,24 +21,22 @@ step each rank gathers the listed parameters (the values the model computes with
 ``results.md`` (the tables) into ``--out`` and the plots into ``docs/images/`` (copied to ``--out``).
 """
 
-import argparse
 import json
 import os
 import platform
 import shutil
-import socket
-import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # tiny_runs.py: what this study shares with the demo
+
+import tiny_runs  # noqa: E402
+
 DEFAULT_OUT = ROOT / "out" / "study"
 IMAGES = ROOT / "docs" / "images"
-MARK = "@@ "  # rank 0 prefixes the lines meant for the reader with this
-VOCAB, SEQ = 64, 16
 MODELS = {
     "deepseek_v4": "DeepSeek-V4",
     "gpt_oss": "gpt-oss",
@@ -62,35 +60,8 @@ KEEP = {
 def tiny_model(name):
     import transformers
     if name == "deepseek_v4":
-        config = transformers.DeepseekV4Config(vocab_size=VOCAB,
-                                               hidden_size=32,
-                                               num_hidden_layers=2,
-                                               num_attention_heads=4,
-                                               num_key_value_heads=1,
-                                               head_dim=16,
-                                               q_lora_rank=16,
-                                               o_lora_rank=16,
-                                               o_groups=2,
-                                               n_routed_experts=4,
-                                               num_experts_per_tok=2,
-                                               n_shared_experts=1,
-                                               moe_intermediate_size=32,
-                                               index_n_heads=2,
-                                               index_head_dim=16,
-                                               index_topk=4,
-                                               sliding_window=8,
-                                               layer_types=["sliding_attention", "compressed_sparse_attention"],
-                                               mlp_layer_types=["moe", "moe"],
-                                               compress_rates={
-                                                   "compressed_sparse_attention": 4,
-                                                   "heavily_compressed_attention": 8
-                                               },
-                                               hc_mult=2,
-                                               hc_sinkhorn_iters=3,
-                                               num_nextn_predict_layers=0,
-                                               max_position_embeddings=64)
-        return transformers.DeepseekV4ForCausalLM(config)
-    config = transformers.GptOssConfig(vocab_size=VOCAB,
+        return transformers.DeepseekV4ForCausalLM(tiny_runs.deepseek_v4_config())
+    config = transformers.GptOssConfig(vocab_size=tiny_runs.VOCAB,
                                        hidden_size=32,
                                        intermediate_size=32,
                                        num_hidden_layers=2,
@@ -105,19 +76,6 @@ def tiny_model(name):
     return transformers.GptOssForCausalLM(config)
 
 
-def batch(step, rank, micro_batch, seed=0):
-    """Token sequences that follow a fixed random permutation (10 % noise): learnable, the same in every run."""
-    import torch
-    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank)
-    ids = torch.empty(micro_batch, SEQ, dtype=torch.long)
-    ids[:, 0] = torch.randint(VOCAB, (micro_batch, ), generator=g)
-    for t in range(1, SEQ):
-        noise = torch.rand(micro_batch, generator=g) < 0.1
-        ids[:, t] = torch.where(noise, torch.randint(VOCAB, (micro_batch, ), generator=g), perm[ids[:, t - 1]])
-    return ids
-
-
 def describe_keep(keep):
     return '"auto"' if keep == "auto" else "[" + ", ".join(f'"{k}"' for k in keep) + "]"
 
@@ -127,64 +85,21 @@ def describe_keep(keep):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def say(*lines):
-    for line in lines:
-        print(MARK + line, flush=True)
-
-
-def worker(args):
-    import logging
-    import warnings
-    warnings.filterwarnings("ignore")
-    import transformers
-    import deepspeed
-    import deepspeed.comm as dist
-    from deepspeed.utils import logger
-    transformers.logging.set_verbosity_error()
-    logger.setLevel(logging.ERROR)
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    for job in args.worker.split(","):
-        model_name, run = job.split("/")
-        train(model_name, run, args, say if dist.get_rank() == 0 else (lambda *lines: None))
-        dist.barrier()
-
-
 def train(model_name, run, args, say_):
     import gc
     import torch
-    import transformers
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.runtime.keep_in_fp32 import keep_in_fp32_pattern
     from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import load_file
-    from transformers.integrations import HfDeepSpeedConfig
 
     out = Path(args.out)
     model_dir = out / "models" / model_name
     rank, world = dist.get_rank(), dist.get_world_size()
-    bf16 = run != "fp32"
-    ds_config = {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {
-            "stage": 3
-        },
-        "bf16": {
-            "enabled": bf16
-        },
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-    if run == "bf16_none":
-        ds_config["data_types"] = {"keep_in_fp32_modules": []}
-    elif KEEP[model_name] != "auto":
-        ds_config["data_types"] = {"keep_in_fp32_modules": KEEP[model_name]}
-    # Alive before from_pretrained: transformers then builds the model under zero.Init and loads it partitioned.
-    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
-                                                              dtype=torch.bfloat16 if bf16 else torch.float32)
+    keep = [] if run == "bf16_none" else KEEP[model_name]
+    ds_config = tiny_runs.zero3_config(args.micro_batch, bf16=run != "fp32", keep=None if keep == "auto" else keep)
+    model, hf_ds_config = tiny_runs.from_pretrained_zero3(model_dir, ds_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     module = engine.module
@@ -197,12 +112,8 @@ def train(model_name, run, args, say_):
     dtypes = sorted({str(p.ds_tensor.dtype).replace("torch.", "") for p in listed_params})
     other = sorted({str(p.ds_tensor.dtype).replace("torch.", "") for n, p in params.items() if n not in listed})
 
-    def listed_values():
-        with deepspeed.zero.GatheredParameters(listed_params):
-            return torch.cat([p.data.detach().float().flatten() for p in listed_params])
-
     initial = load_file(model_dir / "initial_weights.safetensors")
-    start = listed_values()
+    start = tiny_runs.gathered(listed_params)
     exact = torch.equal(start, torch.cat([initial[n].flatten() for n in listed]))
     say_(f"{MODELS[model_name]}, {RUNS[run]}: {len(listed)} listed parameters in {'/'.join(dtypes)}, the other "
          f"{len(params) - len(listed)} in {'/'.join(other)}; {args.steps} steps on {world} ranks")
@@ -211,14 +122,8 @@ def train(model_name, run, args, say_):
     losses, t0 = [], time.time()
     log_every = max(1, args.steps // 4)
     for step in range(1, args.steps + 1):
-        ids = batch(step, rank, args.micro_batch)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-        trajectory[step] = listed_values()
+        losses.append(tiny_runs.train_step(engine, tiny_runs.batch(step, rank, args.micro_batch)))
+        trajectory[step] = tiny_runs.gathered(listed_params)
         if step % log_every == 0 or step == args.steps:
             say_(f"  step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  ({(time.time() - t0) / step:.2f} s/step)")
     # The optimizer's fp32 copy of the listed parameters (the parameters themselves where they are fp32).
@@ -245,74 +150,11 @@ def train(model_name, run, args, say_):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(jobs, args, timeout=3600):
-    """Run ``jobs`` on ``args.world_size`` ranks, one subprocess each; echo rank 0's lines meant for the reader."""
-    out = Path(args.out)
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()), "--worker", ",".join(jobs), "--out",
-        str(out), "--steps",
-        str(args.steps), "--lr",
-        str(args.lr), "--micro-batch",
-        str(args.micro_batch)
-    ]
-    procs, log_files = [], []
-    for rank in range(args.world_size):
-        env = dict(os.environ,
-                   RANK=str(rank),
-                   LOCAL_RANK=str(rank),
-                   WORLD_SIZE=str(args.world_size),
-                   LOCAL_SIZE=str(args.world_size),
-                   MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port),
-                   PYTHONUNBUFFERED="1")
-        log = open(logs / f"rank{rank}.log", "w")
-        log_files.append(log)
-        procs.append(
-            subprocess.Popen(cmd,
-                             env=env,
-                             stdout=subprocess.PIPE if rank == 0 else log,
-                             stderr=subprocess.STDOUT,
-                             text=True))
-
-    def echo():
-        for line in procs[0].stdout:
-            log_files[0].write(line)
-            if line.startswith(MARK):
-                print(line[len(MARK):], end="", flush=True)
-
-    reader = threading.Thread(target=echo, daemon=True)
-    reader.start()
-    start, failed = time.time(), None
-    while any(p.poll() is None for p in procs):
-        failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-        if failed is not None or time.time() - start > timeout:
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    reader.join(timeout=10)
-    for log in log_files:
-        log.close()
-    codes = [p.returncode for p in procs]
+def run_all(jobs, args):
+    """The ``jobs`` (model/run), in one launch on ``args.world_size`` ranks."""
+    codes = tiny_runs.launch(__file__, ",".join(jobs), args, timeout=3600)
     if any(codes):
-        print(f"\nThe study failed (exit codes {codes}); the end of the logs:", file=sys.stderr)
-        for rank in range(args.world_size):
-            path = logs / f"rank{rank}.log"
-            print(f"--- {path}", file=sys.stderr)
-            print("".join(path.read_text().splitlines(keepends=True)[-25:]), file=sys.stderr)
-        sys.exit(1)
+        tiny_runs.fail(f"The study failed (exit codes {codes}); the end of the logs:", args)
 
 
 def analyse(model_name, out):
@@ -520,29 +362,17 @@ def machine():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default: %(default)s)")
-    parser.add_argument("--micro-batch",
-                        type=int,
-                        default=8,
-                        help="sequences per rank and step (default: %(default)s)")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks (default: %(default)s)")
+    parser = tiny_runs.arguments(__doc__, DEFAULT_OUT, steps=200, lr=1e-4)
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--report-only",
                         action="store_true",
                         help="redo the tables and plots from the runs already in --out, without training")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # model/run,... for one rank
-    args = parser.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if args.worker:
-        return worker(args)
+    args = tiny_runs.parse(parser)
+    if args.worker:  # one rank of the model/run jobs named in --worker
+        return tiny_runs.worker(args.worker, lambda job, say_: train(*job.split("/"), args, say_))
 
     t_start = time.time()
-    out = Path(args.out).resolve()
-    args.out = str(out)
+    out = Path(args.out)
     models = args.models.split(",")
     if not args.report_only:
         for sub in ("models", "runs", "logs"):
@@ -552,7 +382,6 @@ def main():
 
     import torch
     import transformers
-    from safetensors.torch import save_file
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     command = " ".join(["python benchmarks/accuracy_study.py"] + sys.argv[1:])
@@ -563,14 +392,8 @@ def main():
     if not args.report_only:
         for model_name in models:
             torch.manual_seed(0)
-            model = tiny_model(model_name)
-            model.save_pretrained(out / "models" / model_name)
-            save_file({
-                n: t.detach().contiguous()
-                for n, t in model.state_dict().items()
-            }, out / "models" / model_name / "initial_weights.safetensors")
-            del model
-        launch([f"{m}/{run}" for m in models for run in RUNS], args)
+            tiny_runs.write_model(tiny_model(model_name), out / "models" / model_name)
+        run_all([f"{m}/{run}" for m in models for run in RUNS], args)
         meta = {
             "command": command,
             "minutes": (time.time() - t_start) / 60,
@@ -612,10 +435,10 @@ def main():
         "",
         f"Machine: {meta['machine']}.",
         "",
-        f"Tiny DeepSeek-V4 and gpt-oss (hidden 32, 2 layers, 4 experts, vocab {VOCAB}, {SEQ} tokens per sequence), "
-        f"random init (seed 0), save_pretrained, from_pretrained under ZeRO-3 on {args.world_size} ranks; "
-        f"{args.steps} steps of AdamW (lr {args.lr:g}, no weight decay), {args.world_size} x {args.micro_batch} "
-        "sequences per step, the same data in every run.",
+        f"Tiny DeepSeek-V4 and gpt-oss (hidden 32, 2 layers, 4 experts, vocab {tiny_runs.VOCAB}, {tiny_runs.SEQ} "
+        f"tokens per sequence), random init (seed 0), save_pretrained, from_pretrained under ZeRO-3 on "
+        f"{args.world_size} ranks; {args.steps} steps of AdamW (lr {args.lr:g}, no weight decay), {args.world_size} x "
+        f"{args.micro_batch} sequences per step, the same data in every run.",
         "",
     ]
     for model_name, (info, rows, _) in results.items():

@@ -23,77 +23,31 @@ The three runs share one launch: each rank is this file run as ``demo.py --worke
 prints, and only the lines meant for the reader; everything else goes to the logs in the output folder.
 """
 
-import argparse
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
+from tiny_runs import (VOCAB, arguments, batch, deepseek_v4_config, fail, from_pretrained_zero3, gathered, launch,
+                       parse, train_step, worker, write_model, zero3_config)
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "out" / "demo"
-MARK = "@@ "  # rank 0 prefixes the lines meant for the reader with this
 RUNS_ORDER = ("fp32", "bf16_auto", "bf16_none")
 RUNS = {
     "bf16_auto": "bf16, keep_in_fp32_modules \"auto\"",
     "fp32": "the fp32 reference (bf16 off)",
     "bf16_none": "bf16, keep_in_fp32_modules []",
 }
-VOCAB, SEQ = 64, 16
 WIDTH = 118  # of the printed lines
 
 # ---------------------------------------------------------------------------------------------------------------
 # Model and data (used by the parent and by every rank)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def tiny_config():
-    from transformers import DeepseekV4Config
-    return DeepseekV4Config(vocab_size=VOCAB,
-                            hidden_size=32,
-                            num_hidden_layers=2,
-                            num_attention_heads=4,
-                            num_key_value_heads=1,
-                            head_dim=16,
-                            q_lora_rank=16,
-                            o_lora_rank=16,
-                            o_groups=2,
-                            n_routed_experts=4,
-                            num_experts_per_tok=2,
-                            n_shared_experts=1,
-                            moe_intermediate_size=32,
-                            index_n_heads=2,
-                            index_head_dim=16,
-                            index_topk=4,
-                            sliding_window=8,
-                            layer_types=["sliding_attention", "compressed_sparse_attention"],
-                            mlp_layer_types=["moe", "moe"],
-                            compress_rates={
-                                "compressed_sparse_attention": 4,
-                                "heavily_compressed_attention": 8
-                            },
-                            hc_mult=2,
-                            hc_sinkhorn_iters=3,
-                            num_nextn_predict_layers=0,
-                            max_position_embeddings=64)
-
-
-def batch(step, rank, micro_batch, seed=0):
-    """Token sequences that follow a fixed random permutation (10 % noise): learnable, the same in every run."""
-    import torch
-    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank)
-    ids = torch.empty(micro_batch, SEQ, dtype=torch.long)
-    ids[:, 0] = torch.randint(VOCAB, (micro_batch, ), generator=g)
-    for t in range(1, SEQ):
-        noise = torch.rand(micro_batch, generator=g) < 0.1
-        ids[:, t] = torch.where(noise, torch.randint(VOCAB, (micro_batch, ), generator=g), perm[ids[:, t - 1]])
-    return ids
 
 
 def listed_pattern(model):
@@ -113,38 +67,14 @@ def template(name):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def say(*lines):
-    for line in lines:
-        print(MARK + line, flush=True)
-
-
-def worker(args):
-    import logging
-    import warnings
-    warnings.filterwarnings("ignore")
-    import transformers
-    import deepspeed
-    import deepspeed.comm as dist
-    from deepspeed.utils import logger
-    transformers.logging.set_verbosity_error()
-    logger.setLevel(logging.ERROR)
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    for run in args.worker.split(","):
-        train(run, args, say if dist.get_rank() == 0 else (lambda *lines: None))
-        dist.barrier()
-
-
 def train(run, args, say_):
     """One training run on every rank: load, train, (for bf16_auto) save a checkpoint, write the results."""
     import gc
     import torch
-    import transformers
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import load_file
-    from transformers.integrations import HfDeepSpeedConfig
 
     out = Path(args.out)
     run_dir = out / "runs" / run
@@ -152,25 +82,8 @@ def train(run, args, say_):
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     t_load = time.time()
-    bf16 = run != "fp32"
-    ds_config = {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {
-            "stage": 3
-        },
-        "bf16": {
-            "enabled": bf16
-        },
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-    if run == "bf16_none":
-        ds_config["data_types"] = {"keep_in_fp32_modules": []}
-    # Alive before from_pretrained: transformers then builds the model under zero.Init and loads it partitioned.
-    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841
-    model = transformers.AutoModelForCausalLM.from_pretrained(out / "model",
-                                                              dtype=torch.bfloat16 if bf16 else torch.float32)
+    ds_config = zero3_config(args.micro_batch, bf16=run != "fp32", keep=[] if run == "bf16_none" else None)
+    model, hf_ds_config = from_pretrained_zero3(out / "model", ds_config)
     model.model.embed_tokens.weight.requires_grad_(False)  # frozen parameters, for the export below
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
@@ -181,10 +94,6 @@ def train(run, args, say_):
     listed = [n for n in params if pattern.search(n)]
     listed_params = [params[n] for n in listed]
     dtype_of = {n: p.ds_tensor.dtype for n, p in params.items()}  # the partition's dtype is what ZeRO-3 holds
-
-    def listed_values():
-        with deepspeed.zero.GatheredParameters(listed_params):
-            return torch.cat([p.data.detach().float().flatten() for p in listed_params])
 
     if run == "fp32":
         say_("", "[3/5] The same steps twice more, from the same weights and data:")
@@ -211,17 +120,11 @@ def train(run, args, say_):
          f"per step (loaded in {time.time() - t_load:.1f} s)")
     losses, t0 = [], time.time()
     log_every = max(1, args.steps // 6)
-    first = previous = listed_values()
+    first = previous = gathered(listed_params)
     changes = torch.zeros_like(first, dtype=torch.int32)  # per listed element: in how many steps it changed
     for step in range(1, args.steps + 1):
-        ids = batch(step, rank, args.micro_batch)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-        current = listed_values()
+        losses.append(train_step(engine, batch(step, rank, args.micro_batch)))
+        current = gathered(listed_params)
         changes += (current != previous).int()
         previous = current
         if step == 1 or step % log_every == 0 or step == args.steps:
@@ -331,85 +234,12 @@ def report_kept(say_, module, pattern, params, dtype_of):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(run, args, timeout=1200):
-    """Run ``run`` on ``args.world_size`` ranks, one subprocess each; echo rank 0's lines meant for the reader."""
-    out = Path(args.out)
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs, log_files = [], []
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()), "--worker", run, "--out",
-        str(out), "--steps",
-        str(args.steps), "--lr",
-        str(args.lr), "--micro-batch",
-        str(args.micro_batch)
-    ]
-    for rank in range(args.world_size):
-        env = dict(os.environ,
-                   RANK=str(rank),
-                   LOCAL_RANK=str(rank),
-                   WORLD_SIZE=str(args.world_size),
-                   LOCAL_SIZE=str(args.world_size),
-                   MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port),
-                   PYTHONUNBUFFERED="1")
-        log = open(logs / f"{run}.rank{rank}.log", "w")
-        log_files.append(log)
-        procs.append(
-            subprocess.Popen(cmd,
-                             env=env,
-                             stdout=subprocess.PIPE if rank == 0 else log,
-                             stderr=subprocess.STDOUT,
-                             text=True))
-
-    def echo():
-        for line in procs[0].stdout:
-            log_files[0].write(line)
-            if line.startswith(MARK):
-                print(line[len(MARK):], end="", flush=True)
-
-    reader = threading.Thread(target=echo, daemon=True)
-    reader.start()
-    start, failed = time.time(), None
-    while any(p.poll() is None for p in procs):
-        failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-        if failed is not None or time.time() - start > timeout:
-            break
-        time.sleep(0.2)
-    if failed is not None or any(p.poll() is None for p in procs):
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-    reader.join(timeout=10)
-    for log in log_files:
-        log.close()
-    codes = [p.returncode for p in procs]
+def run_all(args):
+    """The three runs, in one launch on ``args.world_size`` ranks."""
+    jobs = ",".join(RUNS)
+    codes = launch(__file__, jobs, args, log_prefix=f"{jobs}.")
     if any(codes):
-        print(f"\nThe run {run!r} failed (exit codes {codes}); the end of its logs:", file=sys.stderr)
-        for rank in range(args.world_size):
-            path = logs / f"{run}.rank{rank}.log"
-            print(f"--- {path}", file=sys.stderr)
-            print("".join(path.read_text().splitlines(keepends=True)[-25:]), file=sys.stderr)
-        sys.exit(1)
-    return time.time() - start
-
-
-def distance(a, b):
-    """Max abs and relative L2 distance of two dicts of tensors (the same keys), over all their elements."""
-    import torch
-    x = torch.cat([a[n].flatten().double() for n in sorted(a)])
-    y = torch.cat([b[n].flatten().double() for n in sorted(a)])
-    return (x - y).abs().max().item(), ((x - y).norm() / y.norm()).item()
+        fail(f"The run {jobs!r} failed (exit codes {codes}); the end of its logs:", args, log_prefix=f"{jobs}.")
 
 
 def export(args):
@@ -533,32 +363,18 @@ def compare(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps per run (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default: %(default)s)")
-    parser.add_argument("--micro-batch",
-                        type=int,
-                        default=8,
-                        help="sequences per rank and step (default: %(default)s)")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks (default: %(default)s)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # the runs a rank trains, comma-separated
-    args = parser.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if args.worker:
-        return worker(args)
+    args = parse(arguments(__doc__, DEFAULT_OUT, steps=30, lr=3e-4))
+    if args.worker:  # one rank of the runs named in --worker
+        return worker(args.worker, lambda run, say_: train(run, args, say_))
 
     t_start = time.time()
-    out = Path(args.out).resolve()
-    args.out = str(out)
+    out = Path(args.out)
     for sub in ("model", "runs", "checkpoint", "export", "logs"):
         shutil.rmtree(out / sub, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
 
     import torch
     import transformers
-    from safetensors.torch import save_file
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     import importlib.metadata as md
@@ -570,12 +386,8 @@ def main():
     print(f"Output folder: {out}\n")
 
     torch.manual_seed(0)
-    model = transformers.DeepseekV4ForCausalLM(tiny_config())
-    model.save_pretrained(out / "model")
-    save_file({
-        n: t.detach().contiguous()
-        for n, t in model.state_dict().items()
-    }, out / "model" / "initial_weights.safetensors")
+    model = transformers.DeepseekV4ForCausalLM(deepseek_v4_config())
+    write_model(model, out / "model")
     numel = sum(p.numel() for p in model.parameters())
     print(f"[1/5] A tiny DeepSeek-V4 (hidden 32, 2 layers, 4 routed experts, vocab {VOCAB}; {numel:,} parameters, "
           f"random init),\n      written with save_pretrained: {out / 'model'}/model.safetensors (fp32)\n")
@@ -583,7 +395,7 @@ def main():
 
     print(f"[2/5] from_pretrained(dtype=torch.bfloat16) under ZeRO-3 (HfDeepSpeedConfig) on {args.world_size} ranks,\n"
           "      data_types.keep_in_fp32_modules left at its default \"auto\", embeddings frozen")
-    launch(",".join(RUNS), args)
+    run_all(args)
     print("\n[4/5] ", end="")
     export(args)
     print("\n[5/5] ", end="")

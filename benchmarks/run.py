@@ -84,26 +84,32 @@ def run_group(args, model, world_size, extra_spec, label):
     return group
 
 
-def run_job(args, model, variant, world_size, extra_spec, label, rnd=0):
-    build, keep, dtype = variant_setup(model, variant, args.gpt_oss_mode)
-    spec = dict(model=model,
+def job_spec(args, model, dtype, steps, config, **extra):
+    """What a rank of one job runs (benchmarks/common.py reads it from spec.json)."""
+    return dict(model=model,
                 dtype=dtype,
                 micro_batch=args.micro_batch,
                 seq=args.seq,
                 seed=args.seed,
                 warmup=args.warmup,
-                steps=args.steps,
-                measure=True,
-                config=common.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype),
-                **extra_spec)
+                steps=steps,
+                config=config,
+                **extra)
+
+
+def run_job(args, model, variant, world_size, extra_spec, label, rnd=0):
+    build, keep, dtype = variant_setup(model, variant, args.gpt_oss_mode)
+    config = common.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype)
+    spec = job_spec(args, model, dtype, args.steps, config, measure=True, **extra_spec)
     job_dir = Path(args.workdir) / label / f"ws{world_size}" / variant.replace(" ", "_").replace("[]", "empty")
     if args.rounds > 1:
         job_dir = job_dir / f"round{rnd}"
     start = time.time()
     ranks = common.launch(spec, build, world_size, job_dir)
+    summary = summarize(ranks)
     print(
         f"  {label:<28} ws={world_size} {variant:<12} {time.time() - start:6.1f} s  "
-        f"median step {summarize(ranks)['time']['median'] * 1e3:7.2f} ms",
+        f"median step {summary['time']['median'] * 1e3:7.2f} ms",
         flush=True)
     return {
         "model": model,
@@ -113,7 +119,7 @@ def run_job(args, model, variant, world_size, extra_spec, label, rnd=0):
         "dtype": dtype,
         "build": build,
         "ranks": ranks,
-        "summary": summarize(ranks)
+        "summary": summary
     }
 
 
@@ -124,16 +130,7 @@ def run_paired(args, model, world_size, extra_spec, label):
     configs = [
         common.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype) for keep in (keep_empty, keep_kept)
     ]
-    spec = dict(model=model,
-                dtype=dtype,
-                micro_batch=args.micro_batch,
-                seq=args.seq,
-                seed=args.seed,
-                warmup=args.warmup,
-                steps=args.paired_steps,
-                config=configs[0],
-                paired=configs,
-                **extra_spec)
+    spec = job_spec(args, model, dtype, args.paired_steps, configs[0], paired=configs, **extra_spec)
     job_dir = Path(args.workdir) / label / f"ws{world_size}" / "paired"
     start = time.time()
     ranks = common.launch(spec, "patched", world_size, job_dir)

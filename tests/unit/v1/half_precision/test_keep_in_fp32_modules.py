@@ -342,6 +342,52 @@ class TestFetchCollectives(DistributedTest):
             assert counts == {torch.bfloat16: 2, torch.float32: 1, torch.uint8: 1}, counts
 
 
+class OddSections(torch.nn.Module):
+    """A bf16 parameter whose partitions hold an odd number of elements next to a listed fp32 one, so that the
+    bytes a rank contributes to a fetch of both must be padded to keep the next rank's fp32 section aligned."""
+    _keep_in_fp32_modules_strict = ["kept"]
+
+    def __init__(self):
+        super().__init__()
+        self.low = torch.nn.Parameter(torch.arange(7, dtype=torch.float32) - 3.0)
+        self.kept = torch.nn.Parameter(torch.zeros(5))
+
+
+class TestFetchOfBothDtypes(DistributedTest):
+    """One all-gather fetches partitions of both dtypes exactly, whatever their sizes."""
+    world_size = [2, 3]
+
+    def test_gathered_values_are_exact(self):
+        config = _config()
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = OddSections()
+        assert model.low.ds_tensor.dtype == torch.bfloat16 and model.kept.ds_tensor.dtype == torch.float32
+        params = [model.low, model.kept]
+        kept_values = 8.0 + 1e-4 * torch.arange(5, dtype=torch.float32)  # zero.Init made it bf16 before keeping it
+        with deepspeed.zero.GatheredParameters([model.kept], modifier_rank=0):
+            if dist.get_rank() == 0:
+                model.kept.data.copy_(kept_values)
+
+        calls = []
+        original = dist.allgather_fn
+
+        def spy(output_tensor, *args, **kwargs):
+            calls.append(output_tensor.dtype)
+            return original(output_tensor, *args, **kwargs)
+
+        dist.allgather_fn = spy
+        try:
+            # how ZeRO-3 fetches a module's parameters
+            model.low.all_gather_coalesced(params).wait()
+        finally:
+            dist.allgather_fn = original
+        low, kept = (p.data.detach().clone() for p in params)
+        model.low.partition(params)
+        assert calls == [torch.uint8], calls
+        assert low.dtype == torch.bfloat16 and torch.equal(low, (torch.arange(7.0) - 3.0).bfloat16())
+        assert kept.dtype == torch.float32 and torch.equal(kept, kept_values)
+
+
 class TestCheckpoint(DistributedTest):
     world_size = 2
 

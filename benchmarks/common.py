@@ -743,9 +743,23 @@ def worker_main(spec_path):
         dist.configure(enabled=True, prof_all=True, verbose=False, debug=False)
         ids = batches[total_steps].to(device)
         loss = loss_fn(engine, ids)
+        backward_peak = 0
+        if device_type == "cpu":
+            # During backward too: a census each time a gradient is about to enter its reduce bucket, when the
+            # gradients that wait for their bucket's reduction are all alive.
+            reduce_grad = zero_opt.reduce_independent_p_g_buckets_and_remove_grads
+
+            def census_then_reduce(param):
+                nonlocal backward_peak
+                backward_peak = max(backward_peak, live_tensor_bytes("cpu"))
+                return reduce_grad(param)
+
+            zero_opt.reduce_independent_p_g_buckets_and_remove_grads = census_then_reduce
         engine.backward(loss)
         if device_type == "cpu":
-            live_peak = max(live_peak, live_tensor_bytes("cpu"))
+            del zero_opt.reduce_independent_p_g_buckets_and_remove_grads
+            result["live_tensor_backward_peak_bytes"] = backward_peak
+            live_peak = max(live_peak, backward_peak, live_tensor_bytes("cpu"))
         engine.step()
         acc.synchronize()
         comms_dict = dist.comms_logger.comms_dict

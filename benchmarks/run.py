@@ -40,7 +40,6 @@ import common  # noqa: E402
 
 VARIANTS = ("pristine", "series []", "series kept")
 THEORY_BYTES_PER_ELEMENT = 4  # 2 more in the parameter partition (fp32, not bf16) + 2 more in the grad partition
-REDUCE_BUCKET_SIZE = common.ds_config(1, 1)["zero_optimization"]["reduce_bucket_size"]
 
 MODEL_LABELS = {"deepseek_v4": "DeepSeek-V4 (tiny)", "gpt_oss": "gpt-oss (tiny)", "tiny_net": "synthetic"}
 
@@ -235,16 +234,14 @@ def summarize(ranks, rounds=None):
 
 
 def design_extra_bytes(kept):
-    """The extra per rank the series' ZeRO-3 design implies, with contiguous gradients (the default).
+    """The extra per rank the series' ZeRO-3 design implies, held for the whole run.
 
     Per kept element of the rank's partition: +2 bytes in the parameter partition (fp32, not bf16), +2 in the gradient
     partition (fp32 accumulation), -4 for the fp32 master copy, which the series does not make for fp32 sub-groups (the
-    optimizer updates their partitions in place). Plus the fp32 reduce bucket: 4 bytes per element of the kept
-    parameters' full (unpartitioned) size, at most reduce_bucket_size elements.
+    optimizer updates their partitions in place). The fp32 gradients' reduce bucket holds no buffer of its own: they
+    wait for their reduction in the tensors autograd made (transient, during backward).
     """
-    partition = kept["kept_partition_elements"]
-    bucket = min(REDUCE_BUCKET_SIZE, kept["kept_elements"]) if partition else 0
-    return (2 + 2 - 4) * partition + 4 * bucket
+    return (2 + 2 - 4) * kept["kept_partition_elements"]
 
 
 def ratio(a, b):
@@ -320,13 +317,13 @@ def section_tables(jobs, gpu):
                 kib(design),
                 kib(opt_extra),
                 fmt_ratio(ratio(opt_extra, theory)),
-                fmt_ratio(ratio(opt_extra, design))
+                "yes" if opt_extra == design else f"no ({opt_extra - design:+.0f} bytes)"
             ]
             if gpu:
                 extra = (kept["alloc_peak_sum"] - empty["alloc_peak_sum"]) / ws
             else:
                 extra = (kept["live_peak_sum"] - empty["live_peak_sum"]) / ws
-            row += [kib(extra), fmt_ratio(ratio(extra, theory))]
+            row += [kib(extra), fmt_ratio(ratio(extra, theory)), kib(4 * kept["kept_elements"])]
             comps = kept["optimizer_components_rank_mean"]
             comps0 = empty["optimizer_components_rank_mean"]
             row.append("; ".join(f"{k} {'+' if comps[k] - comps0.get(k, 0) >= 0 else ''}"
@@ -351,9 +348,9 @@ def section_tables(jobs, gpu):
     out["theory"] = common.markdown_table([
         "model", "world", "kept elements", "kept elements per rank partition", "theoretical extra per rank (KiB)",
         "extra by the series' design (KiB)",
-        "optimizer-held extra per rank (KiB)", "measured / theoretical", "measured / design",
+        "optimizer-held extra per rank (KiB)", "measured / theoretical", "optimizer-held = design",
         ("allocator peak" if gpu else "live-tensor peak") + " extra per rank (KiB)", "measured / theoretical",
-        "optimizer extra by component (KiB per rank)"
+        "fp32 gradients in flight during backward, at most (KiB)", "optimizer extra by component (KiB per rank)"
     ], theory_rows)
     out["comm"] = common.markdown_table(["model", "world", "variant"] + [k.replace("|", " ") for k in comm_keys],
                                         comm_rows)
@@ -531,13 +528,17 @@ def main():
             "Measured: `series kept` minus `series []`, per rank; the optimizer-held bytes count each storage the "
             "ZeRO-3 optimizer holds once (parameter and gradient partitions, fp32 masters, reduce buckets, optimizer "
             "states); " + ("the allocator peak is the GPU allocator's." if gpu else
-                           "the live-tensor peak is a census of all tensor storages Python reaches, after backward "
-                           "and after the step of one measured step (peak RSS is too coarse for a few KiB)."), "",
-            "The series' design (stage3.py) explains the difference: the fp32 sub-groups need no fp32 master copy "
-            "(-4 bytes per kept partition element), and their gradients go through an fp32 reduce bucket of their "
-            "own, 4 bytes per element of the kept parameters' full size (capped at reduce_bucket_size): "
-            "`extra by the series' design` = (2 + 2 - 4) x partition elements + 4 x min(reduce_bucket_size, kept "
-            "elements). That bucket is not partitioned, so measured / theoretical grows with the world size.", "",
+                           "the live-tensor peak is a census of all tensor storages Python reaches, during backward "
+                           "(each time a gradient is about to enter its reduce bucket), after backward and after the "
+                           "step of one measured step (peak RSS is too coarse for a few KiB)."), "",
+            "The series' design (stage3.py): the fp32 sub-groups need no fp32 master copy (-4 bytes per kept "
+            "partition element), which pays for the 2 + 2 more bytes of their parameter and gradient partitions, so "
+            "`extra by the series' design` = (2 + 2 - 4) x partition elements = 0, and `optimizer-held = design` "
+            "checks it to the byte. Their reduce bucket holds no buffer of its own: during backward, their full fp32 "
+            "gradients wait for their bucket's reduction in the tensors autograd made, at most 4 bytes per kept "
+            "element of the full size (the `in flight` column), and are freed once reduce-scattered into the fp32 "
+            "partitions; the training dtype's gradients wait in pristine's own bucket, which the series leaves as "
+            "it is.", "",
             tables["theory"], ""
         ]
         md += [

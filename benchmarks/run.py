@@ -360,7 +360,9 @@ def section_tables(jobs, gpu):
 
 
 def comm_check(jobs):
-    """Lines checking the collectives rule: the training-dtype collectives are unchanged, fp32 ones are added."""
+    """Lines checking the collectives rule: at most one more collective per fetch or reduce bucket that holds fp32
+    parameters. A fetch of partitions of both dtypes is one all-gather of their bytes (uint8) in place of the
+    training dtype's; a reduce bucket of fp32 gradients is one fp32 reduce-scatter."""
     lines = []
     for (label, ws), group in jobs.items():
         if "series kept" not in group:
@@ -371,23 +373,20 @@ def comm_check(jobs):
             k: kept.get(k, 0) - empty.get(k, 0)
             for k in set(kept) | set(empty) if kept.get(k, 0) != empty.get(k, 0)
         }
-        fetches = sum(v for k, v in empty.items() if k.startswith("all-gather"))
-        buckets = sum(v for k, v in empty.items() if k.startswith("reduce-scatter"))
-        fp32_ag = sum(v for k, v in extra.items() if k.startswith("all-gather"))
-        fp32_rs = sum(v for k, v in extra.items() if k.startswith("reduce-scatter"))
-        others = {k: v for k, v in extra.items() if not k.startswith(("all-gather|float32", "reduce-scatter|float32"))}
+        total, total_empty = ({kind: sum(v for k, v in c.items() if k.startswith(kind))
+                               for kind in ("all-gather", "reduce-scatter")} for c in (kept, empty))
         changes = ", ".join(f"{k.replace('|', ' ')} {v:+g}" for k, v in sorted(extra.items())) or "no change"
         line = (f"- {label}, world size {ws}: series [] vs pristine: "
                 f"{'identical counts' if same_base else 'DIFFERENT counts'}; kept vs []: {changes}: "
-                f"{fmt_count(fp32_ag)} fp32 all-gathers for {fmt_count(fetches)} fetches, {fmt_count(fp32_rs)} fp32 "
-                f"reduce-scatters for {fmt_count(buckets)} reduce buckets")
-        if others:
-            norm = others.pop("all-reduce|float64", None)
-            if norm:
-                line += (f"; {fmt_count(norm)} more fp64 all-reduce: the gradient norm of the fp32 sub-group "
-                         "(ZeRO-3 all-reduces one norm per sub-group)")
-            if others:
-                line += "; other changes: " + ", ".join(f"{k} {v:+g}" for k, v in sorted(others.items()))
+                f"{fmt_count(total['all-gather'])} all-gathers for {fmt_count(total_empty['all-gather'])} fetches "
+                f"({fmt_count(kept.get('all-gather|uint8', 0))} of both dtypes, as bytes), "
+                f"{fmt_count(total['reduce-scatter'])} reduce-scatters for {fmt_count(total_empty['reduce-scatter'])} "
+                f"reduce buckets of the training dtype ({fmt_count(extra.get('reduce-scatter|float32', 0))} more, "
+                "fp32)")
+        norm = extra.get("all-reduce|float64")
+        if norm:
+            line += (f"; {fmt_count(norm)} more fp64 all-reduce: the gradient norm of the fp32 sub-group "
+                     "(ZeRO-3 all-reduces one norm per sub-group)")
         lines.append(line)
     return lines
 

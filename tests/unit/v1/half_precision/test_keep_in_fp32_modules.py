@@ -342,6 +342,36 @@ class TestFetchCollectives(DistributedTest):
             assert counts == {torch.bfloat16: 2, torch.float32: 1, torch.uint8: 1}, counts
 
 
+class TestStepCollectives(DistributedTest):
+    """The gradient norm of the fp32 sub-group shares the all-reduce of the bf16 one: a step issues as many
+    all-reduces as with nothing kept."""
+    world_size = 2
+
+    def test_step_adds_no_all_reduce(self):
+        counts = {}
+        for keep in ("auto", []):
+            config = _config(keep=keep)
+            config["gradient_clipping"] = 1.0
+            engine = _engine(config)
+            _train(engine, config, steps=1)
+            loss = engine(_batch(1, config))
+            engine.backward(loss)
+            calls = []
+            original = dist.all_reduce
+
+            def spy(tensor, *args, **kwargs):
+                calls.append(tensor.dtype)
+                return original(tensor, *args, **kwargs)
+
+            dist.all_reduce = spy
+            try:
+                engine.step()
+            finally:
+                dist.all_reduce = original
+            counts[str(keep)] = len(calls)
+        assert counts["auto"] == counts["[]"] > 0, counts
+
+
 class OddSections(torch.nn.Module):
     """A bf16 parameter whose partitions hold an odd number of elements next to a listed fp32 one, so that the
     bytes a rank contributes to a fetch of both must be padded to keep the next rank's fp32 section aligned."""

@@ -353,6 +353,7 @@ class TestStepCollectives(DistributedTest):
             config = _config(keep=keep)
             config["gradient_clipping"] = 1.0
             engine = _engine(config)
+            assert engine.module.attn.sinks.dtype == (torch.float32 if keep == "auto" else torch.bfloat16)
             _train(engine, config, steps=1)
             loss = engine(_batch(1, config))
             engine.backward(loss)

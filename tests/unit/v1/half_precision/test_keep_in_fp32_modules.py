@@ -10,6 +10,7 @@ kept in bf16 therefore neither holds its initial values nor shows its updates, w
 and every forward pass sees its fp32 master exactly.
 """
 
+import contextlib
 import logging
 
 import pytest
@@ -193,6 +194,24 @@ def _check_dtypes(model, kept, half_dtype):
         torch.float32
 
 
+@contextlib.contextmanager
+def _collective_dtypes(name):
+    """The dtypes of the tensors that ``deepspeed.comm.<name>`` is called with while the block runs (the first
+    argument: all_reduce(tensor, ...), allgather_fn(output_tensor, ...))."""
+    calls = []
+    original = getattr(dist, name)
+
+    def spy(tensor, *args, **kwargs):
+        calls.append(tensor.dtype)
+        return original(tensor, *args, **kwargs)
+
+    setattr(dist, name, spy)
+    try:
+        yield calls
+    finally:
+        setattr(dist, name, original)
+
+
 def _check_kept_and_updated(engine):
     """Every kept parameter moved below bf16's resolution, and the forward pass sees its master exactly."""
     for name, param in engine.module.named_parameters():
@@ -318,20 +337,8 @@ class TestFetchCollectives(DistributedTest):
         engine = _engine(config)
         _train(engine, config, steps=1)  # the first step traces the modules
 
-        calls = []
-        name = "all_reduce" if all_reduce else "allgather_fn"
-        original = getattr(dist, name)
-
-        def spy(*args, **kwargs):
-            calls.append(args[0].dtype)  # all_reduce(tensor, ...), allgather_fn(output_tensor, ...)
-            return original(*args, **kwargs)
-
-        setattr(dist, name, spy)
-        try:
-            with torch.no_grad():
-                engine(_batch(7, config))
-        finally:
-            setattr(dist, name, original)
+        with _collective_dtypes("all_reduce" if all_reduce else "allgather_fn") as calls, torch.no_grad():
+            engine(_batch(7, config))
         # lin: 2 bf16; attn: 2 bf16 + 2 fp32; norm: 2 fp32; out: 2 bf16
         counts = {dtype: calls.count(dtype) for dtype in set(calls)}
         if all_reduce:
@@ -357,18 +364,8 @@ class TestStepCollectives(DistributedTest):
             _train(engine, config, steps=1)
             loss = engine(_batch(1, config))
             engine.backward(loss)
-            calls = []
-            original = dist.all_reduce
-
-            def spy(tensor, *args, **kwargs):
-                calls.append(tensor.dtype)
-                return original(tensor, *args, **kwargs)
-
-            dist.all_reduce = spy
-            try:
+            with _collective_dtypes("all_reduce") as calls:
                 engine.step()
-            finally:
-                dist.all_reduce = original
             counts[str(keep)] = len(calls)
         assert counts["auto"] == counts["[]"] > 0, counts
 
@@ -399,19 +396,8 @@ class TestFetchOfBothDtypes(DistributedTest):
             if dist.get_rank() == 0:
                 model.kept.data.copy_(kept_values)
 
-        calls = []
-        original = dist.allgather_fn
-
-        def spy(output_tensor, *args, **kwargs):
-            calls.append(output_tensor.dtype)
-            return original(output_tensor, *args, **kwargs)
-
-        dist.allgather_fn = spy
-        try:
-            # how ZeRO-3 fetches a module's parameters
-            model.low.all_gather_coalesced(params).wait()
-        finally:
-            dist.allgather_fn = original
+        with _collective_dtypes("allgather_fn") as calls:
+            model.low.all_gather_coalesced(params).wait()  # how ZeRO-3 fetches a module's parameters
         low, kept = (p.data.detach().clone() for p in params)
         model.low.partition(params)
         assert calls == [torch.uint8], calls

@@ -572,7 +572,8 @@ def build_engine(spec, config):
     """The model of ``spec`` (seeded; HF models loaded under zero.Init) wrapped by deepspeed.initialize."""
     import torch
     import deepspeed
-    train_dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float16
+    # "fp32" and "autocast" (torch autocast, no bf16/fp16 section) train fp32 weights
+    train_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["dtype"], torch.float32)
     torch.manual_seed(spec["seed"])
     if spec["model"] in HF_MODELS:
         import transformers

@@ -2,25 +2,46 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""No regression, shown: the series with nothing kept in fp32 trains bit for bit like pristine DeepSpeed 0.19.8.
+"""No regression, shown: the series with nothing kept in fp32 trains bit for bit like pristine DeepSpeed 0.19.8,
+in every precision DeepSpeed trains ZeRO-3 in.
 
 Runs each case twice, side by side, with the same weights, data and config: once with pristine DeepSpeed 0.19.8
-(``PYTHONPATH=build/pristine``) and once with the patched dev tree (the venv's editable install). Each run is
-``--steps`` ZeRO-3 bf16 training steps (AdamW, gradient clipping) with ``--world-size`` ranks, one subprocess per
-rank (gloo on the CPU, NCCL on CUDA). The cases:
+(``PYTHONPATH=build/pristine``, unpacked from the sdist ``make setup`` cached on first use) and once with the
+patched dev tree (the venv's editable install). Each run is ``--steps`` ZeRO-3 training steps (AdamW, gradient
+clipping) with ``--world-size`` ranks, one subprocess per rank (gloo on the CPU, NCCL on CUDA), in each precision
+of ``--precisions`` (default all four):
+
+* ``bf16``: ``"bf16": {"enabled": true}``, bf16 weights and fp32 masters;
+* ``fp16``: ``"fp16": {"enabled": true}`` with dynamic loss scaling (initial scale 2^8, window 100); on a CPU
+  whose DeepSpeed accelerator reports fp16 unsupported, the workers declare it supported (as the tests'
+  ``_allow_fp16_on_cpu`` does);
+* ``fp32``: no bf16/fp16 section, fp32 weights;
+* ``autocast``: no bf16/fp16 section, ``"torch_autocast": {"enabled": true, "dtype": "bfloat16"}``: fp32 weights,
+  forward under ``torch.autocast`` (the Linear layers' parameters communicated in bf16).
+
+The cases, in each precision:
 
 * tiny DeepSeek-V4 (random init, seeded, ``save_pretrained`` once, ``from_pretrained`` under ``HfDeepSpeedConfig``
   so that ``zero.Init`` runs), ``data_types.keep_in_fp32_modules: []``;
 * a small plain torch model that lists nothing, ``keep_in_fp32_modules`` left at its default (``"auto"``);
-* a control (not part of the verdict, ``--no-control`` skips it): the tiny DeepSeek-V4 with the default
-  ``"auto"``, where the series keeps 32 parameters in fp32 and must differ from pristine; it shows the
-  comparison can see a difference.
+
+and once, in bf16 (fp16 if bf16 is not among ``--precisions``; neither: no control), a control that is not part of
+the verdict (``--no-control`` skips it): the tiny DeepSeek-V4 with the default ``"auto"``, where the series keeps
+its 32 listed parameters in fp32 and must differ from pristine; it shows the comparison can see a difference.
 
 Recorded: every step's loss on every rank, and after the last step every parameter twice: its fp32 master
 (``safe_get_full_fp32_param``) and its gathered training-dtype value (``zero.GatheredParameters``). Compared
-bitwise. Exit status 1 if a case other than the control differs, 2 if a run fails.
+bitwise. In fp32 and under autocast, comparing the masters bitwise covers whether the series' master is a separate
+copy or the partition itself only through the values it ends with. Exit status 1 if a case other than the control
+differs, 2 if a run fails.
 
-    .venv/bin/python benchmarks/compare_pristine.py            # about 2 minutes on 2 cores
+The default run is 18 jobs (8 cases and the control, each with both builds); most of a job's time is starting its
+ranks, so each run is 10 steps (``--steps``; the bf16-only comparison used to run 20). The default run takes about
+4.7 CPU-minutes: about 3 to 4 minutes of wall time on 2 idle cores (estimated from that), 8.5 minutes measured on 2
+cores shared with other test suites (load average about 7).
+
+    .venv/bin/python benchmarks/compare_pristine.py                         # all four precisions
+    .venv/bin/python benchmarks/compare_pristine.py --precisions fp32,autocast
 """
 
 import argparse
@@ -33,21 +54,58 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+PRECISIONS = {
+    # name: what the config says about the precision
+    "bf16": '"bf16": {"enabled": true}',
+    "fp16": '"fp16": {"enabled": true}, dynamic loss scaling',
+    "fp32": "no bf16/fp16 section",
+    "autocast": '"torch_autocast": {"enabled": true, "dtype": "bfloat16"}, fp32 weights',
+}
+
 CASES = [
     # name, model, keep_in_fp32_modules, control
     ("DeepSeek-V4 (tiny), keep_in_fp32_modules: []", "deepseek_v4", [], False),
     ("torch model listing nothing, default (\"auto\")", "tiny_net", common.UNSET, False),
-    ("control: DeepSeek-V4 (tiny), default (\"auto\")", "deepseek_v4", common.UNSET, True),
 ]
+CONTROL = ("control: DeepSeek-V4 (tiny), default (\"auto\")", "deepseek_v4", common.UNSET, True)
+
+
+def precision_config(precision, world_size, keep):
+    """The ZeRO-3 config of common.ds_config in the given precision."""
+    if precision in ("bf16", "fp16"):
+        return common.ds_config(4, world_size, keep=keep, dtype=precision)
+    config = common.ds_config(4, world_size, keep=keep, dtype="bf16")
+    del config["bf16"]
+    if precision == "autocast":
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif precision != "fp32":
+        raise ValueError(precision)
+    return config
+
+
+def parse_precisions(text):
+    precisions = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown or not precisions:
+        raise argparse.ArgumentTypeError(f"precisions are a comma-separated subset of {','.join(PRECISIONS)}, "
+                                         f"got {text!r}")
+    return list(dict.fromkeys(precisions))
 
 
 def compare_runs(pristine, patched, params_pristine, params_patched):
     """Per-step losses (all ranks) and final parameters (fp32 masters and gathered values), bitwise."""
     steps = len(pristine[0]["losses"])
-    same_steps = sum(
-        all(a["loss_hex"][s] == b["loss_hex"][s] for a, b in zip(pristine, patched)) for s in range(steps))
+    # steps counted from 1; a step differs when its loss differs on any rank
+    differing_steps = [
+        s + 1 for s in range(steps) if not all(a["loss_hex"][s] == b["loss_hex"][s] for a, b in zip(pristine, patched))
+    ]
     loss_diff = max(abs(x - y) for a, b in zip(pristine, patched) for x, y in zip(a["losses"], b["losses"]))
-    out = {"steps": steps, "same_steps": same_steps, "loss_max_abs_diff": loss_diff}
+    out = {
+        "steps": steps,
+        "same_steps": steps - len(differing_steps),
+        "differing_steps": differing_steps,
+        "loss_max_abs_diff": loss_diff
+    }
     for kind in ("master", "gathered"):
         a, b = params_pristine[kind], params_patched[kind]
         names = sorted(set(a) | set(b))
@@ -78,9 +136,24 @@ def fmt_diff(x):
     return "0" if x == 0 else f"{x:.3g}"
 
 
+def fmt_steps(steps):
+    """1, 2, 3, 5 -> "1-3, 5"."""
+    ranges = []
+    for s in steps:
+        if ranges and s == ranges[-1][1] + 1:
+            ranges[-1][1] = s
+        else:
+            ranges.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--precisions",
+                        type=parse_precisions,
+                        default=list(PRECISIONS),
+                        help=f"comma-separated, of {','.join(PRECISIONS)} (default: all four)")
+    parser.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--workdir", default=str(common.ROOT / "out" / "compare_pristine"))
@@ -96,29 +169,37 @@ def main():
     print(f"machine: {common.machine_line(machine)}")
     series = common.dev_tree_state()
     print(f"series: build/deepspeed at {series}")
-    print(f"runs: {args.steps} ZeRO-3 bf16 steps, world size {args.world_size}, AdamW lr 1e-3, gradient clipping 1.0, "
-          f"micro batch 4 x 16 tokens, stage3_param_persistence_threshold 0; one subprocess per rank\n")
+    print(f"runs: {args.steps} ZeRO-3 steps, world size {args.world_size}, AdamW lr 1e-3, gradient clipping 1.0, "
+          f"micro batch 4 x 16 tokens, stage3_param_persistence_threshold 0; one subprocess per rank")
+    print("precisions: " + "; ".join(f"{p} ({PRECISIONS[p]})" for p in args.precisions))
 
+    jobs = [(precision, case) for precision in args.precisions for case in CASES]
+    control_precision = next((p for p in ("bf16", "fp16") if p in args.precisions), None)
+    if not args.no_control and control_precision:
+        jobs.append((control_precision, CONTROL))
+    elif not args.no_control:
+        print("control: skipped (it needs bf16 or fp16 among --precisions)")
+    print()
+
+    run_start = time.time()
     model_dir = common.save_hf_model("deepseek_v4", workdir / "models" / "deepseek_v4", seed=args.seed)
-    results, failed = [], False
-    for name, model, keep, control in CASES:
-        if control and args.no_control:
-            continue
+    results, failed = [], []
+    for precision, (name, model, keep, control) in jobs:
         spec = dict(model=model,
                     model_dir=str(model_dir),
                     dim=64,
                     layers=2,
                     keep_per_block=0,
-                    dtype="bf16",
+                    dtype=precision,
                     micro_batch=4,
                     seq=16,
                     seed=args.seed,
                     warmup=0,
                     steps=args.steps,
-                    config=common.ds_config(4, args.world_size, keep=keep),
+                    config=precision_config(precision, args.world_size, keep),
                     dump_params=True)
         runs, params = {}, {}
-        slug = f"{model}_{'default' if keep == common.UNSET else 'empty'}"
+        slug = f"{precision}/{model}_{'default' if keep == common.UNSET else 'empty'}"
         start = time.time()
         try:
             for build in common.BUILDS:
@@ -126,46 +207,57 @@ def main():
                 runs[build] = common.launch(spec, build, args.world_size, job)
                 params[build] = torch.load(job / "params.pt")
         except RuntimeError as err:
-            print(f"{name}: FAILED\n{err}")
-            failed = True
+            print(f"[{precision}] {name}: FAILED\n{err}")
+            failed.append(f"[{precision}] {name}")
             continue
         cmp = compare_runs(runs["pristine"], runs["patched"], params["pristine"], params["patched"])
         cmp.update(name=name,
+                   precision=precision,
                    keep=common.describe_keep(keep),
                    control=control,
                    seconds=round(time.time() - start, 1),
                    fp32_params={b: len(runs[b][0]["fp32_params"])
                                 for b in common.BUILDS},
+                   param_dtypes={b: runs[b][0]["param_dtypes"]
+                                 for b in common.BUILDS},
                    deepspeed={b: runs[b][0]["deepspeed_path"]
                               for b in common.BUILDS})
         cmp["identical"] = (cmp["same_steps"] == cmp["steps"] and cmp["master"]["same"] == cmp["master"]["tensors"]
                             and cmp["gathered"]["same"] == cmp["gathered"]["tensors"])
+        print(f"[{precision}] {name}: {'IDENTICAL' if cmp['identical'] else 'DIFFERENT'} ({cmp['seconds']} s)",
+              flush=True)
         results.append(cmp)
+    seconds = round(time.time() - run_start, 1)
+    print()
 
     rows = []
     for r in results:
         m, g = r["master"], r["gathered"]
         yes = lambda ok: "yes" if ok else "no"  # noqa: E731
         rows.append([
-            r["name"], f"{yes(r['same_steps'] == r['steps'])} ({r['same_steps']}/{r['steps']})",
+            r["precision"], r["name"], f"{yes(r['same_steps'] == r['steps'])} ({r['same_steps']}/{r['steps']})",
             fmt_diff(r["loss_max_abs_diff"]), f"{yes(m['same'] == m['tensors'])} ({m['same']}/{m['tensors']})",
             fmt_diff(m["max_abs_diff"]), f"{yes(g['same'] == g['tensors'])} ({g['same']}/{g['tensors']})",
-            fmt_diff(g["max_abs_diff"]), f"{r['fp32_params']['pristine']} / {r['fp32_params']['patched']}"
+            fmt_diff(g["max_abs_diff"]), f"{r['fp32_params']['pristine']} / {r['fp32_params']['patched']}",
+            "IDENTICAL" if r["identical"] else "DIFFERENT"
         ])
     header = [
-        "case (pristine 0.19.8 vs series)", "losses identical", "max diff", "fp32 masters identical", "max diff",
-        "gathered params identical", "max diff", "fp32 params"
+        "precision", "case (pristine 0.19.8 vs series)", "losses identical", "max diff", "fp32 masters identical",
+        "max diff", "gathered params identical", "max diff", "fp32 params", "verdict"
     ]
     print(common.text_table(header, rows))
-    print("(identical = bitwise; fp32 params = parameters stored in fp32, pristine / series)\n")
+    print("(identical = bitwise; fp32 params = parameters stored in fp32, pristine / series: all of them in fp32 "
+          "and under autocast)\n")
     for r in results:
         verdict = "IDENTICAL" if r["identical"] else "DIFFERENT"
         if r["control"]:
             verdict += " (control: expected DIFFERENT)" + ("" if not r["identical"] else " -- UNEXPECTED")
-        print(f"{r['name']}: {verdict}")
+        print(f"[{r['precision']}] {r['name']}: {verdict}")
         print(f"  losses bitwise identical: {'yes' if r['same_steps'] == r['steps'] else 'no'} "
               f"({r['same_steps']}/{r['steps']} steps, all {args.world_size} ranks), "
               f"max abs diff {fmt_diff(r['loss_max_abs_diff'])}")
+        if r["differing_steps"] and not r["control"]:
+            print(f"    differing steps: {fmt_steps(r['differing_steps'])}")
         for kind, label in (("master", "fp32 masters (safe_get_full_fp32_param)"),
                             ("gathered", "gathered params (zero.GatheredParameters)")):
             c = r[kind]
@@ -175,7 +267,9 @@ def main():
                 print(f"    differing: {len(c['differing'])} tensors"
                       f"{', dtype ' + ', '.join(c['dtype_changes']) if c['dtype_changes'] else ''}")
             elif c["differing"]:
-                print(f"    differing: {', '.join(c['differing'][:10])}{' ...' if len(c['differing']) > 10 else ''}")
+                print(f"    differing ({len(c['differing'])}): {', '.join(c['differing'][:10])}"
+                      f"{' ...' if len(c['differing']) > 10 else ''}"
+                      f"{'; dtype ' + ', '.join(c['dtype_changes']) if c['dtype_changes'] else ''}")
         print(f"  ({r['seconds']} s; pristine: {r['deepspeed']['pristine']}; series: {r['deepspeed']['patched']})")
     series_end = common.dev_tree_state()
     if series_end != series:
@@ -187,18 +281,34 @@ def main():
                 "machine": machine,
                 "series": series,
                 "series_end": series_end,
+                "precisions": args.precisions,
+                "steps": args.steps,
+                "seconds": seconds,
+                "failed": failed,
                 "cases": results
             },
             indent=1))
+    print(f"\nresults: {workdir / 'results.json'} ({seconds} s in all)")
+    verdicts = []
+    for precision in args.precisions:
+        cases = [r for r in results if r["precision"] == precision and not r["control"]]
+        if any(f.startswith(f"[{precision}]") for f in failed):
+            state = "a run FAILED"
+        elif all(r["identical"] for r in cases):
+            state = "identical"
+        else:
+            state = "DIFFERENT: " + ", ".join(r["name"] for r in cases if not r["identical"])
+        verdicts.append(f"{precision}: {state}")
+    print("per precision: " + "; ".join(verdicts))
     regressions = [r for r in results if not r["control"] and not r["identical"]]
-    print(f"\nresults: {workdir / 'results.json'}")
     if failed:
-        print("verdict: a run FAILED")
+        print(f"verdict: {len(failed)} run(s) FAILED")
         return 2
     if regressions:
         print(f"verdict: {len(regressions)} case(s) DIFFER from pristine 0.19.8")
         return 1
-    print("verdict: with nothing kept in fp32 the series is bitwise identical to pristine 0.19.8")
+    print(f"verdict: with nothing kept in fp32 the series is bitwise identical to pristine 0.19.8 "
+          f"({', '.join(args.precisions)})")
     return 0
 
 

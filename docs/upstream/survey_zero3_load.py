@@ -41,36 +41,34 @@ VOCAB = 64
 def deepseek_v4():
     import transformers
     # All three attention layer types and both MoE types, so that every kind of key is there.
-    config = transformers.DeepseekV4Config(vocab_size=VOCAB,
-                                           hidden_size=32,
-                                           num_hidden_layers=3,
-                                           num_attention_heads=2,
-                                           num_key_value_heads=1,
-                                           head_dim=16,
-                                           q_lora_rank=16,
-                                           o_lora_rank=8,
-                                           o_groups=2,
-                                           n_routed_experts=4,
-                                           num_experts_per_tok=2,
-                                           n_shared_experts=1,
-                                           moe_intermediate_size=16,
-                                           index_n_heads=2,
-                                           index_head_dim=8,
-                                           index_topk=2,
-                                           sliding_window=4,
-                                           layer_types=[
-                                               "sliding_attention", "compressed_sparse_attention",
-                                               "heavily_compressed_attention"
-                                           ],
-                                           mlp_layer_types=["hash_moe", "moe", "moe"],
-                                           compress_rates={
-                                               "compressed_sparse_attention": 2,
-                                               "heavily_compressed_attention": 4
-                                           },
-                                           hc_mult=2,
-                                           hc_sinkhorn_iters=3,
-                                           num_nextn_predict_layers=0,
-                                           max_position_embeddings=64)
+    config = transformers.DeepseekV4Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        q_lora_rank=16,
+        o_lora_rank=8,
+        o_groups=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_topk=2,
+        sliding_window=4,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        compress_rates={
+            "compressed_sparse_attention": 2,
+            "heavily_compressed_attention": 4
+        },
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=64)
     return transformers.DeepseekV4ForCausalLM, config
 
 
@@ -158,8 +156,12 @@ def apply_fix():
     import transformers.core_model_loading as cml
     original = cml.rename_source_key
 
-    def rename_source_key(source_key, weight_renamings, weight_converters, base_model_prefix=None,
-                          meta_state_dict=None, reverse=False):
+    def rename_source_key(source_key,
+                          weight_renamings,
+                          weight_converters,
+                          base_model_prefix=None,
+                          meta_state_dict=None,
+                          reverse=False):
         renamed, pattern = original(source_key, weight_renamings, weight_converters, base_model_prefix,
                                     meta_state_dict, reverse)
         if (not reverse and meta_state_dict is not None and renamed not in meta_state_dict
@@ -176,8 +178,12 @@ def apply_fix():
 
 
 def rank_main(rank, world_size, port, out, names, with_fix):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank),
+                      LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size),
+                      LOCAL_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     import warnings
     warnings.filterwarnings("ignore")
     import torch

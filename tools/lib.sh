@@ -77,8 +77,13 @@ format_series() {
     mkdir -p "$out"
     git -C "$src" format-patch -q --zero-commit --no-signature --no-numbered --full-index \
         -o "$out" "$PRISTINE_TAG..HEAD" >/dev/null
+    # Two pull requests: the zero_to_fp32 change (its leading patches), independent of the feature after it.
     {
         echo "# Apply in this order onto a pristine DeepSpeed $DS_VERSION tree (git am)."
-        (cd "$out" && ls -1 -- *.patch 2>/dev/null || true)
+        echo "# Pull request 1, on its own: zero_to_fp32 returns frozen parameters as fp32."
+        (cd "$out" && ls -1 -- *.patch 2>/dev/null || true) | awk '
+            !/^[0-9]+-zero_to_fp32-/ && !feature { print "# Pull request 2: keep the parameters a model names" \
+                " for fp32 in fp32 under ZeRO-3."; feature = 1 }
+            { print }'
     } >"$out/series"
 }

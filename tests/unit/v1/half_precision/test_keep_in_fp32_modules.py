@@ -157,7 +157,9 @@ def _engine(config, model_cls=SinkNet, zero_init=True):
 
 
 def _half(config):
-    return torch.float16 if "fp16" in config else torch.bfloat16
+    if "fp16" in config:
+        return torch.float16
+    return torch.bfloat16 if "bf16" in config else torch.float32
 
 
 def _batch(step, config):
@@ -350,11 +352,11 @@ class TestFetchCollectives(DistributedTest):
 
 
 class TestStepCollectives(DistributedTest):
-    """The gradient norm of the fp32 sub-group shares the all-reduce of the bf16 one: a step issues as many
-    all-reduces as with nothing kept."""
+    """ZeRO-3 all-reduces one gradient norm per sub-group, the fp32 sub-group's too: keeping parameters in fp32 adds
+    one scalar all-reduce to a step, and no special case to the norm."""
     world_size = 2
 
-    def test_step_adds_no_all_reduce(self):
+    def test_step_adds_one_norm_all_reduce(self):
         counts = {}
         for keep in ("auto", []):
             config = _config(keep=keep)
@@ -367,7 +369,7 @@ class TestStepCollectives(DistributedTest):
             with _collective_dtypes("all_reduce") as calls:
                 engine.step()
             counts[str(keep)] = len(calls)
-        assert counts["auto"] == counts["[]"] > 0, counts
+        assert counts["auto"] == counts["[]"] + 1 and counts["[]"] > 0, counts
 
 
 class OddSections(torch.nn.Module):
@@ -559,6 +561,12 @@ class TestOneDtypeOptimizers(DistributedTest):
         assert len(messages) == 1 and "4 parameters" in messages[0] and "offload" in messages[0], messages
         _train(engine, config, steps=1)
 
+    def test_param_offload_refuses_explicit_list_naming_params(self):
+        # one rule with ZeRO-1/2: an explicit list asks for what the stage cannot give
+        config = _config(keep=["sink"], offload_param={"device": "cpu"})
+        with pytest.raises(ValueError, match="keep_in_fp32_modules names 2 parameters.*offload"):
+            _engine(config)
+
     @pytest.mark.parametrize("stage", [0, 1, 2])
     def test_auto_warns_and_trains_listed_params_in_bf16(self, stage):
         records = _capture_warnings()
@@ -582,3 +590,170 @@ class TestOneDtypeOptimizers(DistributedTest):
         config["zero_optimization"] = {"stage": stage}
         engine = _engine(config, zero_init=False)
         assert engine.module.bias_buf.dtype == torch.float32
+
+
+class TestTrainingDtype(DistributedTest):
+    """The training dtype is the engine's, not that of the trainable parameters: with every parameter but the
+    listed sinks frozen (a sink or norm tuned alone), fp16 keeps its dynamic loss scaler and overflow check."""
+    world_size = 2
+
+    def test_fp16_with_only_kept_params_trainable(self):
+        _allow_fp16_on_cpu()
+        config = _config(dtype="fp16")
+        model = _build(config)
+        for name, param in model.named_parameters():
+            param.requires_grad = name == "attn.sinks"
+        engine, _, _, _ = deepspeed.initialize(model=model,
+                                               model_parameters=[model.attn.sinks],
+                                               config=config)
+        assert engine.module.attn.sinks.ds_tensor.dtype == torch.float32
+        assert engine.optimizer.dtype == torch.float16
+        assert engine.optimizer.dynamic_loss_scale and engine.optimizer.loss_scale == 2**8
+        _train(engine, config, steps=1)
+        before = safe_get_full_fp32_param(engine.module.attn.sinks)
+        loss = engine(_batch(1, config), grad_boost=1e30)  # the sinks' fp32 gradient overflows
+        engine.backward(loss)
+        engine.step()
+        assert engine.skipped_steps == 1 and engine.optimizer.loss_scale == 2**7
+        assert torch.equal(safe_get_full_fp32_param(engine.module.attn.sinks), before)
+
+
+class TestNothingKeptIsPristine(DistributedTest):
+    """Runs that keep nothing get pristine's optimizer: no fp32 sub-groups or buckets, and in fp32 and torch
+    autocast runs a master copy of its own (the partition is not its own master, as pristine 0.19.8 has it)."""
+    world_size = 2
+
+    @pytest.mark.parametrize("precision", ["bf16", "fp32", "autocast"])
+    def test_optimizer_layout(self, precision):
+        config = _config(keep=[], dtype=precision)
+        if precision == "autocast":
+            config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+        engine = _engine(config, zero_init=False)
+        optimizer = engine.optimizer
+        assert optimizer.fp32_param_ids == set() and optimizer.fp32_grad_partitions_flat_buffer is None
+        assert optimizer.fp32_param_buffer is None
+        if precision != "autocast":  # whose buckets are one per communication dtype autocast gives
+            assert set(optimizer.ipg_buckets) == {torch.bfloat16 if precision == "bf16" else torch.float32}
+        for lp, hp in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat):
+            assert lp.data_ptr() != hp.data_ptr()
+
+    def test_destroy_unpins_the_fp32_gradient_buffer(self):
+        engine = _engine(_config())
+        buffer = engine.optimizer.fp32_grad_partitions_flat_buffer
+        assert buffer is not None
+        accelerator = get_accelerator()
+        unpinned, original = [], accelerator.unpin_memory
+        accelerator.unpin_memory = lambda tensor: unpinned.append(tensor) or original(tensor)
+        try:
+            engine.optimizer.destroy()
+        finally:
+            accelerator.unpin_memory = original
+        assert any(t is buffer for t in unpinned)
+
+
+@pytest.mark.parametrize("feature, zero", [
+    ("zero_quantized_gradients", {
+        "zero_quantized_gradients": True
+    }),
+    ("zero_quantized_weights", {
+        "zero_quantized_weights": True
+    }),
+    ("zero_quantized_nontrainable_weights", {
+        "zero_quantized_nontrainable_weights": True
+    }),
+    ("super_offload", {
+        "offload_optimizer": {
+            "device": "cpu",
+            "super_offload": True
+        }
+    }),
+    ("zenflow", {
+        "offload_optimizer": {
+            "device": "cpu"
+        },
+        "zenflow": {
+            "topk_ratio": 0.5
+        }
+    }),
+    ("bf16_master_weights_and_grads", {}),
+    ("Muon", {}),
+])
+class TestFeaturesThatRoundKeptParams(DistributedTest):
+    """A ZeRO-3 feature that would round the kept parameters to bf16 is refused, naming both ways out."""
+    world_size = 2
+
+    def test_refused_at_initialize(self, feature, zero):
+        config = _config(**zero)
+        if feature == "bf16_master_weights_and_grads":
+            config["bf16"]["bf16_master_weights_and_grads"] = True
+        if feature == "Muon":
+            config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-5}}
+        with pytest.raises(ValueError, match=rf"keep_in_fp32_modules keeps 4 parameters.*{feature}") as error:
+            _engine(config, zero_init=False)
+        assert "keep_in_fp32_modules to []" in str(error.value)
+
+
+class Block(torch.nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.norm1 = Norm(HIDDEN)
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h):
+        return self.lin(self.norm1(h).to(h.dtype))
+
+
+class NestedNorms(torch.nn.Module):
+    """A norm at the top (``norm``) and one inside a block (``blocks.0.norm1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block()])
+        self.norm = Norm(HIDDEN)
+
+    def forward(self, x):
+        return self.norm(self.blocks[0](x)).float().pow(2).mean()
+
+
+def _kept_names(model):
+    return {name for name, param in model.named_parameters() if param.ds_tensor.dtype == torch.float32}
+
+
+class TestOneRuleForNames(DistributedTest):
+    """A pattern matches full names, as in named_parameters(), with zero.Init and without."""
+    world_size = 2
+
+    @pytest.mark.parametrize("zero_init", [True, False])
+    def test_anchored_pattern_matches_full_names(self, zero_init):
+        config = _config(keep=["^norm"])
+        if zero_init:
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = NestedNorms()
+        else:
+            model = NestedNorms()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        assert _kept_names(engine.module) == {"norm.weight", "norm.bias"}
+
+    @pytest.mark.parametrize("init_keep, engine_keep", [([], "auto"), ("auto", []), (["sink"], ["norm"])])
+    def test_zero_init_and_initialize_must_agree(self, init_keep, engine_keep):
+        with deepspeed.zero.Init(config_dict_or_path=_config(keep=init_keep)):
+            model = SinkNet()
+        with pytest.raises(ValueError, match=r"zero.Init kept .*keep_in_fp32_modules names"):
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(keep=engine_keep))
+
+
+class TestBadInput(DistributedTest):
+    world_size = 1
+
+    def test_invalid_pattern_names_option_and_pattern(self):
+        from deepspeed.runtime.config import DeepSpeedConfigError
+        with pytest.raises(DeepSpeedConfigError, match=r"keep_in_fp32_modules: 'norm\[' is not a valid"):
+            _engine(_config(keep=["norm["]), zero_init=False)
+
+    def test_pattern_matching_nothing_warns_once(self):
+        records = _capture_warnings()
+        engine = _engine(_config(keep=["sinkk", "norm"]))
+        messages = [r.getMessage() for r in records if "sinkk" in r.getMessage()]
+        assert len(messages) == 1 and "keep_in_fp32_modules" in messages[0] and "'norm'" not in messages[0], messages
+        assert _kept_names(engine.module) == {"norm.weight", "norm.bias"}

@@ -452,29 +452,53 @@ class TestCheckpoint(DistributedTest):
                 assert torch.equal(state_dict[name], after_loaded[name][1]), name
         dist.barrier()
 
-    @pytest.mark.parametrize("saved_keep, loaded_keep", [([], "auto"), ("auto", [])])
-    def test_other_setting_stops_or_loads_weights(self, saved_keep, loaded_keep, tmp_path):
+    @pytest.mark.parametrize("saved_keep, loaded_keep", [([], "auto"), ("auto", []), (["sink"], ["norm"])])
+    def test_other_setting_loads_optimizer_states(self, saved_keep, loaded_keep, tmp_path):
+        """A checkpoint saved with other parameters kept in fp32 loads with its optimizer states, moved parameter by
+        parameter: every master and moment exact, kept parameters at their master, the others at it rounded."""
         saved_config = _config(keep=saved_keep)
         engine = _engine(saved_config)
         _train(engine, saved_config, steps=2)
         engine.save_checkpoint(str(tmp_path))
-        masters = {name: safe_get_full_fp32_param(p) for name, p in engine.module.named_parameters()}
+        saved = {
+            name: [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
+            for name, p in engine.module.named_parameters()
+        }
 
         config = _config(keep=loaded_keep)
         torch.manual_seed(7)
         loaded = _engine(config)
-        with pytest.raises(RuntimeError, match="keep_in_fp32_modules") as error:
-            loaded.load_checkpoint(str(tmp_path))
-        assert "load_optimizer_states=False" in str(error.value)
-
-        # the way through: the weights alone, each as exact as its dtype in this run can hold it
-        loaded.load_checkpoint(str(tmp_path), load_optimizer_states=False, load_lr_scheduler_states=False)
+        loaded.load_checkpoint(str(tmp_path))
         for name, param in loaded.module.named_parameters():
+            restored = [safe_get_full_fp32_param(param)] + [safe_get_full_optimizer_state(param, k) for k in
+                                                            ("exp_avg", "exp_avg_sq")]
+            for what, a, b in zip(("master", "exp_avg", "exp_avg_sq"), saved[name], restored):
+                assert torch.equal(a, b), f"{name}: {what} differs after the load"
             value = _gathered(param)
-            assert torch.equal(value, masters[name].to(value.dtype)), name
-            assert torch.equal(safe_get_full_fp32_param(param), value.float()), name
+            assert torch.equal(value, saved[name][0].to(value.dtype)), name
+        assert loaded.global_steps == engine.global_steps
         losses = _train(loaded, config, steps=2)
         assert all(torch.isfinite(torch.tensor(losses)))
+
+    def test_other_model_is_refused_by_name(self, tmp_path):
+        config = _config()
+        engine = _engine(config)
+        _train(engine, config, steps=1)
+        engine.save_checkpoint(str(tmp_path))
+        torch.manual_seed(7)
+        loaded = _engine(config, SinkNetWithExtra)
+        with pytest.raises(RuntimeError, match=r"other parameters than this run: extra \(saved no elements"):
+            loaded.load_checkpoint(str(tmp_path), load_module_strict=False)
+
+
+class SinkNetWithExtra(SinkNet):
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, x, grad_boost=0.0):
+        return super().forward(x * self.extra.to(x.dtype), grad_boost)
 
 
 class TestSafeAccessors(DistributedTest):

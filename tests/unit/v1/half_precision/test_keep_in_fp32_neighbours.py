@@ -377,16 +377,6 @@ class TestExpertParallel(DistributedTest):
     group."""
     world_size = 2
 
-    # The harness reports a rank's exception as a pytest failure, so xfail cannot check its type.
-    @pytest.mark.xfail(
-        reason="AutoEP's listed parameters are not kept in fp32: the engine refuses an explicit list that names them "
-        "(runtime/engine.py _params_outside_autoep_layers: 'names 2 parameters of AutoEP's MoE layers "
-        "(expert_parallel), which compute in bfloat16'; 'auto' trains them in bf16 with a warning). Without that "
-        "refusal, _assert_zero_init_kept_params refuses them ('zero.Init kept 0 parameters in fp32'), since AutoEP "
-        "builds the router and experts anew after zero.Init, and AutoEP's router computes its gate in the "
-        "activations' dtype (moe/ep_router.py: scores = self.gate(x)), which fails with a kept fp32 gate ('expected "
-        "m1 and m2 to have the same dtype').",
-        strict=True)
     def test_listed_router_and_expert_weights(self):
         config = _config(keep=["gate.weight", "experts.w2"])
         config["expert_parallel"] = {

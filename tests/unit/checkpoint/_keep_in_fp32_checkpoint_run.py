@@ -1,0 +1,221 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The model, config and training loop of test_keep_in_fp32_checkpoints.py, and a script that saves a checkpoint.
+
+As a module, it gives the tests ``SinkNet`` and its helpers. As a script, run on every rank by
+``python -m torch.distributed.run --nproc_per_node N _keep_in_fp32_checkpoint_run.py OUT [options]``, it trains
+``SinkNet`` for two ZeRO-3 bf16 steps with whatever ``import deepspeed`` finds (the tests run it with pristine
+DeepSpeed 0.19.8 on PYTHONPATH, or with the DeepSpeed under test), saves a checkpoint in ``OUT/ckpt`` and, on rank 0,
+``OUT/reference.pt``: per parameter its fp32 master, exp_avg and exp_avg_sq, its gathered value and dtype, and the
+DeepSpeed it ran with. With ``--universal``, rank 0 converts the checkpoint with ds_to_universal as well.
+
+The values are chosen so that bf16 shows: the sinks start at 8.0 + k * 1e-4, which bf16 rounds to 8.0 (its values are
+0.0625 apart there), and Adam moves them by about lr = 1e-5 a step.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+HIDDEN = 9  # odd, so that every partition is padded at world sizes 2 and 3
+SINK_VALUES = 8.0 + 1e-4 * torch.arange(6, dtype=torch.float32)
+NORM_VALUES = 1.0 + 1e-4 * torch.arange(HIDDEN, dtype=torch.float32)  # off the bf16 grid too
+LISTED = ["sink", "norm", "bias_buf"]
+STEPS = 2
+TAG = f"global_step{STEPS}"
+
+
+class Attention(torch.nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN) * 0.3)
+        self.bias = torch.nn.Parameter(torch.zeros(HIDDEN))
+        self.sinks = torch.nn.Parameter(torch.full((6, ), 8.0))
+        self.sink_gate = torch.nn.Parameter(torch.linspace(0.5, 1.5, HIDDEN))
+
+    def forward(self, h):
+        sink = self.sink_gate * self.sinks.mean()
+        return h @ self.proj.t() + self.bias + 0.01 * sink.to(h.dtype)
+
+
+class Norm(torch.nn.LayerNorm):
+    """Computes in the dtype of its weight (fp32 when kept), as transformers' norms do."""
+
+    def forward(self, h):
+        return super().forward(h.to(self.weight.dtype))
+
+
+class SinkNet(torch.nn.Module):
+    """Lists its attention sinks, its norm and a buffer for fp32, as a Hugging Face model does."""
+    _keep_in_fp32_modules_strict = LISTED
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.attn = Attention()
+        self.norm = Norm(HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, 3)
+        self.register_buffer("bias_buf", torch.full((HIDDEN, ), 8.0) + 1e-3 * torch.arange(HIDDEN))
+
+    def forward(self, x):
+        h = self.attn(self.lin(x))
+        h = self.norm(h.float() + 1e-3 * self.bias_buf).to(h.dtype)
+        return self.out(h).float().pow(2).mean()
+
+
+def config(keep="auto", load_universal=False):
+    """ZeRO-3 bf16 with Adam; ``keep`` is data_types.keep_in_fp32_modules ("auto": no data_types section)."""
+    result = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 1000,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": 1e-5,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0
+        },
+        "bf16": {
+            "enabled": True
+        },
+    }
+    if keep != "auto":
+        result["data_types"] = {"keep_in_fp32_modules": keep}
+    if load_universal:
+        result["checkpoint"] = {"load_universal": True}
+    return result
+
+
+def gathered(param):
+    """The full value of a ZeRO-3 parameter, in its dtype (a collective)."""
+    import deepspeed
+    with deepspeed.zero.GatheredParameters([param]):
+        return param.data.detach().cpu().clone()
+
+
+def build(ds_config, frozen=()):
+    """SinkNet under zero.Init, with the sinks (and the norm's weight) set off the bf16 grid by rank 0, and the
+    parameters named in ``frozen`` frozen."""
+    import deepspeed
+    import deepspeed.comm as dist
+    torch.manual_seed(42)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = SinkNet()
+    for param, values in ((model.attn.sinks, SINK_VALUES), (model.norm.weight, NORM_VALUES)):
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if dist.get_rank() == 0:
+                param.data.copy_(values)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return model
+
+
+def engine(ds_config, frozen=()):
+    import deepspeed
+    model = build(ds_config, frozen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    result, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+    return result
+
+
+def batch(step):
+    import deepspeed.comm as dist
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(2, HIDDEN, generator=gen).bfloat16()
+
+
+def train(model_engine, steps=STEPS, first_step=0):
+    losses = []
+    for step in range(first_step, first_step + steps):
+        loss = model_engine(batch(step))
+        model_engine.backward(loss)
+        model_engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def snapshot(model_engine):
+    """Per parameter: its gathered value, and for trainable ones its fp32 master, exp_avg and exp_avg_sq (collective
+    calls: every rank must make them)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    result = {}
+    for name, param in model_engine.module.named_parameters():
+        entry = {"value": gathered(param), "requires_grad": param.requires_grad}
+        if param.requires_grad:
+            entry["master"] = safe_get_full_fp32_param(param).detach().cpu().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                entry[key] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
+        result[name] = entry
+    return result
+
+
+def to_universal(ckpt_dir, tag=TAG):
+    """Convert ``ckpt_dir/tag`` with ds_to_universal's command line, into ``ckpt_dir/tag_universal`` (and write
+    ``ckpt_dir/latest_universal``); in this process, with one worker each."""
+    from deepspeed.checkpoint import ds_to_universal
+    argv = sys.argv
+    sys.argv = [
+        "ds_to_universal", "--input_folder",
+        os.path.join(ckpt_dir, tag), "--output_folder",
+        os.path.join(ckpt_dir, f"{tag}_universal"), "--num_extract_workers", "1", "--num_merge_workers", "1"
+    ]
+    try:
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = argv
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--keep", default='"auto"', help="data_types.keep_in_fp32_modules, as JSON")
+    parser.add_argument("--frozen", default="", help="names of parameters to freeze, comma-separated")
+    parser.add_argument("--universal", action="store_true", help="also convert with ds_to_universal")
+    args = parser.parse_args()
+
+    import deepspeed
+    import deepspeed.comm as dist
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        print(f"deepspeed {deepspeed.__version__} from {deepspeed.__file__}", flush=True)
+
+    ds_config = config(keep=json.loads(args.keep))
+    model_engine = engine(ds_config, frozen=[n for n in args.frozen.split(",") if n])
+    losses = train(model_engine)
+    ckpt = os.path.join(args.out, "ckpt")
+    model_engine.save_checkpoint(ckpt, tag=TAG)
+    reference = {
+        "params": snapshot(model_engine),
+        "buffers": {
+            name: buf.detach().cpu().clone()
+            for name, buf in model_engine.module.named_buffers()
+        },
+        "deepspeed_file": deepspeed.__file__,
+        "deepspeed_version": deepspeed.__version__,
+        "world_size": dist.get_world_size(),
+        "global_steps": model_engine.global_steps,
+        "losses": losses,
+    }
+    dist.barrier()
+    if rank == 0:
+        if args.universal:
+            to_universal(ckpt)
+        torch.save(reference, os.path.join(args.out, "reference.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -479,6 +479,10 @@ class TestCheckpoint(DistributedTest):
         assert loaded.global_steps == engine.global_steps
         losses = _train(loaded, config, steps=2)
         assert all(torch.isfinite(torch.tensor(losses)))
+        # each sub-group has its own Adam step, which went on from the saved one
+        optimizer = loaded.optimizer
+        steps = [int(optimizer.optimizer.state[flat]["step"]) for flat in optimizer.fp32_partitioned_groups_flat]
+        assert steps == [4] * len(steps), steps
 
     def test_other_model_is_refused_by_name(self, tmp_path):
         config = _config()
@@ -759,12 +763,27 @@ class TestOneRuleForNames(DistributedTest):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         assert _kept_names(engine.module) == {"norm.weight", "norm.bias"}
 
-    @pytest.mark.parametrize("init_keep, engine_keep", [([], "auto"), ("auto", []), (["sink"], ["norm"])])
-    def test_zero_init_and_initialize_must_agree(self, init_keep, engine_keep):
+    @pytest.mark.parametrize("init_keep, engine_keep", [([], "auto"), (["sink"], ["norm"])])
+    def test_keeping_what_zero_init_rounded_is_refused(self, init_keep, engine_keep):
         with deepspeed.zero.Init(config_dict_or_path=_config(keep=init_keep)):
             model = SinkNet()
-        with pytest.raises(ValueError, match=r"zero.Init and deepspeed.initialize keep different parameters"):
+        with pytest.raises(ValueError, match=r"keeps \d parameters in fp32 that zero.Init made in torch.bfloat16"):
             deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(keep=engine_keep))
+
+    def test_what_zero_init_kept_and_the_run_does_not_trains_as_before(self):
+        # zero.Init given "auto" (or no config) keeps the model's own lists; a run that keeps nothing trains as
+        # pristine does
+        records = _capture_warnings()
+        model = _build(_config())
+        config = _config(keep=[])
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        messages = [r.getMessage() for r in records if "zero.Init kept 4 parameters" in r.getMessage()]
+        assert len(messages) == 1, messages
+        for name, param in engine.module.named_parameters():
+            assert param.dtype == param.ds_tensor.dtype == torch.bfloat16, name
+        assert engine.optimizer.fp32_param_ids == set()
+        assert torch.equal(_gathered(engine.module.attn.sinks), SINK_VALUES.bfloat16())
+        _train(engine, config, steps=1)
 
 
 class TestBadInput(DistributedTest):

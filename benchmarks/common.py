@@ -525,10 +525,10 @@ def optimizer_state_bytes(optimizer):
     buckets = getattr(optimizer, "ipg_buckets", None) or {}
     components = collections.OrderedDict()
     components["param partitions, training dtype"] = size([getattr(optimizer, "lp_param_buffer", None)])
-    components["param partitions, fp32 (kept)"] = size([getattr(optimizer, "fp32_lp_param_buffer", None)])
+    components["param partitions, fp32 (kept)"] = size([getattr(optimizer, "kept_param_buffer", None)])
     components["fp32 master partitions"] = size(getattr(optimizer, "fp32_partitioned_groups_flat", []))
     components["grad partitions, training dtype"] = size([getattr(optimizer, "grad_partitions_flat_buffer", None)])
-    components["grad partitions, fp32 (kept)"] = size([getattr(optimizer, "fp32_grad_partitions_flat_buffer", None)])
+    components["grad partitions, fp32 (kept)"] = size([getattr(optimizer, "kept_grad_partitions_flat_buffer", None)])
     components["reduce (ipg) buckets"] = size([getattr(b, "buffer", None) for b in buckets.values()])
     components["optimizer states"] = size(states)
     return components

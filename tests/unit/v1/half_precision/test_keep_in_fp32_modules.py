@@ -658,8 +658,8 @@ class TestNothingKeptIsPristine(DistributedTest):
             config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
         engine = _engine(config, zero_init=False)
         optimizer = engine.optimizer
-        assert optimizer.fp32_param_ids == set() and optimizer.fp32_grad_partitions_flat_buffer is None
-        assert optimizer.fp32_param_buffer is None
+        assert optimizer.kept_param_ids == set() and optimizer.kept_grad_partitions_flat_buffer is None
+        assert optimizer.kept_param_buffer is None
         if precision != "autocast":  # whose buckets are one per communication dtype autocast gives
             assert set(optimizer.ipg_buckets) == {torch.bfloat16 if precision == "bf16" else torch.float32}
         for lp, hp in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat):
@@ -667,7 +667,7 @@ class TestNothingKeptIsPristine(DistributedTest):
 
     def test_destroy_unpins_the_fp32_gradient_buffer(self):
         engine = _engine(_config())
-        buffer = engine.optimizer.fp32_grad_partitions_flat_buffer
+        buffer = engine.optimizer.kept_grad_partitions_flat_buffer
         assert buffer is not None
         accelerator = get_accelerator()
         unpinned, original = [], accelerator.unpin_memory
@@ -781,7 +781,7 @@ class TestOneRuleForNames(DistributedTest):
         assert len(messages) == 1, messages
         for name, param in engine.module.named_parameters():
             assert param.dtype == param.ds_tensor.dtype == torch.bfloat16, name
-        assert engine.optimizer.fp32_param_ids == set()
+        assert engine.optimizer.kept_param_ids == set()
         assert torch.equal(_gathered(engine.module.attn.sinks), SINK_VALUES.bfloat16())
         _train(engine, config, steps=1)
 

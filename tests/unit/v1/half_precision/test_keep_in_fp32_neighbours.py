@@ -138,10 +138,8 @@ class TestSharedGradientBuckets(DistributedTest):
     """Gradient reduction and accumulation settings that put both dtypes through one fp32 path."""
     world_size = 2
 
-    def test_fp32_communication_data_type(self):
-        """Both dtypes reduce their gradients in the one fp32 bucket."""
-        config = _config()
-        config["communication_data_type"] = "fp32"
+    @staticmethod
+    def _trains_exactly(config):
         engine = _engine(config)
         _check_dtypes(engine.module, _listed_names(engine.module), BF16)
         _step_with_exact_grads(engine, config)
@@ -149,16 +147,17 @@ class TestSharedGradientBuckets(DistributedTest):
         assert all(torch.isfinite(torch.tensor(losses)))
         _check_kept_and_updated(engine)
 
+    def test_fp32_communication_data_type(self):
+        """Both dtypes reduce their gradients in the one fp32 bucket."""
+        config = _config()
+        config["communication_data_type"] = "fp32"
+        self._trains_exactly(config)
+
     def test_fp32_grad_accum_dtype(self):
         """The bf16 parameters accumulate their gradients in fp32 as well, over two micro steps."""
         config = _config(ga=2)
         config["data_types"] = {"grad_accum_dtype": "fp32"}
-        engine = _engine(config)
-        _check_dtypes(engine.module, _listed_names(engine.module), BF16)
-        _step_with_exact_grads(engine, config)
-        losses = _train(engine, config, steps=1)
-        assert all(torch.isfinite(torch.tensor(losses)))
-        _check_kept_and_updated(engine)
+        self._trains_exactly(config)
 
 
 def _adam_w_step(value, grad, group):

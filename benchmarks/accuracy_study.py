@@ -57,25 +57,6 @@ KEEP = {
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def tiny_model(name):
-    import transformers
-    if name == "deepseek_v4":
-        return transformers.DeepseekV4ForCausalLM(tiny_runs.deepseek_v4_config())
-    config = transformers.GptOssConfig(vocab_size=tiny_runs.VOCAB,
-                                       hidden_size=32,
-                                       intermediate_size=32,
-                                       num_hidden_layers=2,
-                                       num_attention_heads=4,
-                                       num_key_value_heads=2,
-                                       head_dim=8,
-                                       num_local_experts=4,
-                                       num_experts_per_tok=2,
-                                       sliding_window=8,
-                                       layer_types=["sliding_attention", "full_attention"],
-                                       max_position_embeddings=64)
-    return transformers.GptOssForCausalLM(config)
-
-
 def describe_keep(keep):
     return '"auto"' if keep == "auto" else "[" + ", ".join(f'"{k}"' for k in keep) + "]"
 
@@ -380,7 +361,6 @@ def main():
         (out / "runs").mkdir(parents=True)
     IMAGES.mkdir(parents=True, exist_ok=True)
 
-    import torch
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -391,8 +371,7 @@ def main():
             f"{args.steps} steps, AdamW lr {args.lr:g}, ZeRO-3 on {args.world_size} CPU ranks. Output folder: {out}\n")
     if not args.report_only:
         for model_name in models:
-            torch.manual_seed(0)
-            tiny_runs.write_model(tiny_model(model_name), out / "models" / model_name)
+            tiny_runs.write_model(tiny_runs.tiny_model(model_name, seed=0), out / "models" / model_name)
         run_all([f"{m}/{run}" for m in models for run in RUNS], args)
         meta = {
             "command": command,

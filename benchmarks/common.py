@@ -36,72 +36,48 @@ BUILDS = ("pristine", "patched")
 
 VOCAB = 256
 
+sys.path.insert(0, str(ROOT / "tests"))
+from unit import tiny_hf_models  # noqa: E402  (the tiny transformers models the tests, demo and study share)
 
-def tiny_deepseek_v4_config():
-    from transformers import DeepseekV4Config
-    return DeepseekV4Config(vocab_size=VOCAB,
-                            hidden_size=64,
-                            num_hidden_layers=2,
-                            num_attention_heads=4,
-                            num_key_value_heads=1,
-                            head_dim=32,
-                            qk_rope_head_dim=8,
-                            q_lora_rank=32,
-                            o_lora_rank=32,
-                            o_groups=2,
-                            n_routed_experts=4,
-                            num_experts_per_tok=2,
-                            moe_intermediate_size=64,
-                            n_shared_experts=1,
-                            index_n_heads=2,
-                            index_head_dim=16,
-                            index_topk=4,
-                            sliding_window=8,
-                            compress_rates={
-                                "compressed_sparse_attention": 2,
-                                "heavily_compressed_attention": 4
-                            },
-                            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
-                            mlp_layer_types=["hash_moe", "moe"],
-                            num_nextn_predict_layers=0,
-                            max_position_embeddings=256,
-                            hc_mult=2,
-                            hc_sinkhorn_iters=3)
-
-
-def tiny_gpt_oss_config():
-    from transformers import GptOssConfig
-    return GptOssConfig(vocab_size=VOCAB,
-                        hidden_size=64,
-                        intermediate_size=64,
-                        num_hidden_layers=2,
-                        num_attention_heads=4,
-                        num_key_value_heads=2,
-                        head_dim=16,
-                        num_local_experts=4,
-                        num_experts_per_tok=2,
-                        sliding_window=8,
-                        layer_types=["sliding_attention", "full_attention"])
-
-
-HF_MODELS = {
-    "deepseek_v4": ("DeepseekV4ForCausalLM", tiny_deepseek_v4_config),
-    "gpt_oss": ("GptOssForCausalLM", tiny_gpt_oss_config),
+# The benchmark's sizes of the shared tiny models (tests/unit/tiny_hf_models.py): wider than the tests' (hidden 64,
+# vocabulary 256), so that a step does some arithmetic. None: transformers' default.
+HF_SIZES = {
+    "deepseek_v4":
+    dict(vocab_size=VOCAB,
+         hidden_size=64,
+         num_attention_heads=4,
+         head_dim=32,
+         qk_rope_head_dim=8,
+         q_lora_rank=32,
+         o_lora_rank=32,
+         moe_intermediate_size=64,
+         index_head_dim=16,
+         index_topk=4,
+         sliding_window=8,
+         num_nextn_predict_layers=0,
+         max_position_embeddings=256),
+    "gpt_oss":
+    dict(vocab_size=VOCAB,
+         hidden_size=64,
+         intermediate_size=64,
+         num_attention_heads=4,
+         num_key_value_heads=2,
+         sliding_window=8,
+         layer_types=["sliding_attention", "full_attention"],
+         max_position_embeddings=None,
+         rope_parameters=None),
 }
+HF_MODELS = tuple(HF_SIZES)
 
 
 def save_hf_model(kind, directory, seed=1234):
     """Randomly initialise the tiny ``kind`` model (seeded) and save it in fp32 safetensors. Returns the folder."""
-    import torch
     import transformers
     directory = Path(directory)
     if (directory / "model.safetensors").exists():
         return directory
-    class_name, make_config = HF_MODELS[kind]
     transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(seed)
-    model = getattr(transformers, class_name)(make_config())
-    model.save_pretrained(directory, safe_serialization=True)
+    tiny_hf_models.save_tiny_model(kind, directory, seed=seed, **HF_SIZES[kind])
     return directory
 
 
@@ -576,11 +552,9 @@ def build_engine(spec, config):
     train_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["dtype"], torch.float32)
     torch.manual_seed(spec["seed"])
     if spec["model"] in HF_MODELS:
-        import transformers
         from transformers.integrations import HfDeepSpeedConfig
         hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841  (zero.Init while from_pretrained runs)
-        model = getattr(transformers, HF_MODELS[spec["model"]][0]).from_pretrained(spec["model_dir"],
-                                                                                   dtype=train_dtype)
+        model = tiny_hf_models.model_class(spec["model"]).from_pretrained(spec["model_dir"], dtype=train_dtype)
 
         def loss_fn(engine, ids):
             return engine(input_ids=ids, labels=ids).loss

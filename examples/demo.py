@@ -34,8 +34,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from tiny_runs import (VOCAB, arguments, batch, deepseek_v4_config, fail, from_pretrained_zero3, gathered, launch,
-                       parse, train_step, worker, write_model, zero3_config)
+from tiny_runs import (VOCAB, arguments, batch, fail, from_pretrained_zero3, gathered, launch, parse, tiny_model,
+                       train_step, worker, write_model, zero3_config)
 from zero3_workaround import reload_from_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -425,8 +425,7 @@ def main():
           f"deepspeed {md.version('deepspeed')} from {where}")
     print(f"Output folder: {out}\n")
 
-    torch.manual_seed(0)
-    model = transformers.DeepseekV4ForCausalLM(deepseek_v4_config())
+    model = tiny_model("deepseek_v4", seed=0)
     with torch.no_grad():  # a trained model's final norm is not at its initial 1.0
         model.model.norm.weight.add_(0.5 * torch.rand_like(model.model.norm.weight))
     write_model(model, out / "model")

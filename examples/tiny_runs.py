@@ -56,37 +56,48 @@ def parse(parser):
 # Model and data
 # ---------------------------------------------------------------------------------------------------------------
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from unit import tiny_hf_models  # noqa: E402  (the tiny transformers models the tests and benchmarks share)
+
+# The sizes of the shared tiny models (tests/unit/tiny_hf_models.py) that the demo and the study train. None:
+# transformers' default.
+SIZES = {
+    # hidden 32, 2 layers (sliding and compressed sparse attention), 4 routed experts
+    "deepseek_v4":
+    dict(vocab_size=VOCAB,
+         num_attention_heads=4,
+         o_lora_rank=16,
+         moe_intermediate_size=32,
+         index_head_dim=16,
+         index_topk=4,
+         sliding_window=8,
+         layer_types=["sliding_attention", "compressed_sparse_attention"],
+         mlp_layer_types=["moe", "moe"],
+         compress_rates={
+             "compressed_sparse_attention": 4,
+             "heavily_compressed_attention": 8
+         },
+         num_nextn_predict_layers=0),
+    # hidden 32, 2 layers (sliding and full attention), 4 experts
+    "gpt_oss":
+    dict(vocab_size=VOCAB,
+         num_attention_heads=4,
+         num_key_value_heads=2,
+         head_dim=8,
+         sliding_window=8,
+         layer_types=["sliding_attention", "full_attention"],
+         rope_parameters=None),
+}
+
 
 def deepseek_v4_config():
-    """A tiny DeepSeek-V4: hidden 32, 2 layers (sliding and compressed sparse attention), 4 routed experts."""
-    from transformers import DeepseekV4Config
-    return DeepseekV4Config(vocab_size=VOCAB,
-                            hidden_size=32,
-                            num_hidden_layers=2,
-                            num_attention_heads=4,
-                            num_key_value_heads=1,
-                            head_dim=16,
-                            q_lora_rank=16,
-                            o_lora_rank=16,
-                            o_groups=2,
-                            n_routed_experts=4,
-                            num_experts_per_tok=2,
-                            n_shared_experts=1,
-                            moe_intermediate_size=32,
-                            index_n_heads=2,
-                            index_head_dim=16,
-                            index_topk=4,
-                            sliding_window=8,
-                            layer_types=["sliding_attention", "compressed_sparse_attention"],
-                            mlp_layer_types=["moe", "moe"],
-                            compress_rates={
-                                "compressed_sparse_attention": 4,
-                                "heavily_compressed_attention": 8
-                            },
-                            hc_mult=2,
-                            hc_sinkhorn_iters=3,
-                            num_nextn_predict_layers=0,
-                            max_position_embeddings=64)
+    """The demo's tiny DeepSeek-V4: hidden 32, 2 layers (sliding and compressed sparse attention), 4 routed experts."""
+    return tiny_hf_models.deepseek_v4_config(**SIZES["deepseek_v4"])
+
+
+def tiny_model(kind, seed=0):
+    """The tiny ``kind`` model of the demo and the study, random init after ``torch.manual_seed(seed)``."""
+    return tiny_hf_models.tiny_model(kind, seed=seed, **SIZES[kind])
 
 
 def write_model(model, model_dir):

@@ -35,106 +35,33 @@ import sys
 import time
 from pathlib import Path
 
-VOCAB = 64
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from unit import tiny_hf_models  # noqa: E402  (the tiny transformers models the tests and benchmarks share)
 
 
 def deepseek_v4():
-    import transformers
     # All three attention layer types and both MoE types, so that every kind of key is there.
-    config = transformers.DeepseekV4Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
+    return tiny_hf_models.model_class("deepseek_v4"), tiny_hf_models.deepseek_v4_config(
         num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        q_lora_rank=16,
-        o_lora_rank=8,
-        o_groups=2,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        moe_intermediate_size=16,
-        index_n_heads=2,
-        index_head_dim=8,
-        index_topk=2,
-        sliding_window=4,
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
         mlp_layer_types=["hash_moe", "moe", "moe"],
-        compress_rates={
-            "compressed_sparse_attention": 2,
-            "heavily_compressed_attention": 4
-        },
-        hc_mult=2,
-        hc_sinkhorn_iters=3,
-        num_nextn_predict_layers=0,
-        max_position_embeddings=64)
-    return transformers.DeepseekV4ForCausalLM, config
+        num_nextn_predict_layers=0)
 
 
 def deepseek_v3():
-    import transformers
-    config = transformers.DeepseekV3Config(vocab_size=VOCAB,
-                                           hidden_size=32,
-                                           intermediate_size=32,
-                                           moe_intermediate_size=16,
-                                           num_hidden_layers=2,
-                                           num_attention_heads=2,
-                                           num_key_value_heads=2,
-                                           n_shared_experts=1,
-                                           n_routed_experts=4,
-                                           num_experts_per_tok=2,
-                                           n_group=2,
-                                           topk_group=1,
-                                           first_k_dense_replace=1,
-                                           kv_lora_rank=16,
-                                           q_lora_rank=16,
-                                           qk_rope_head_dim=8,
-                                           qk_nope_head_dim=8,
-                                           v_head_dim=8,
-                                           max_position_embeddings=64,
-                                           num_mtp_layers=0)
-    return transformers.DeepseekV3ForCausalLM, config
+    return tiny_hf_models.model_class("deepseek_v3"), tiny_hf_models.deepseek_v3_config(intermediate_size=32,
+                                                                                        n_group=2,
+                                                                                        topk_group=1,
+                                                                                        first_k_dense_replace=1,
+                                                                                        v_head_dim=8)
 
 
 def glm4_moe():
-    import transformers
-    config = transformers.Glm4MoeConfig(vocab_size=VOCAB,
-                                        hidden_size=32,
-                                        intermediate_size=32,
-                                        moe_intermediate_size=16,
-                                        num_hidden_layers=2,
-                                        num_attention_heads=2,
-                                        num_key_value_heads=1,
-                                        n_shared_experts=1,
-                                        n_routed_experts=4,
-                                        num_experts_per_tok=2,
-                                        first_k_dense_replace=1,
-                                        use_qk_norm=True,
-                                        attention_bias=True,
-                                        max_position_embeddings=64,
-                                        num_mtp_layers=0)
-    return transformers.Glm4MoeForCausalLM, config
+    return tiny_hf_models.model_class("glm4_moe"), tiny_hf_models.glm4_moe_config()
 
 
 def gpt_oss():
-    import transformers
-    config = transformers.GptOssConfig(vocab_size=VOCAB,
-                                       hidden_size=32,
-                                       intermediate_size=32,
-                                       num_hidden_layers=2,
-                                       num_attention_heads=2,
-                                       num_key_value_heads=1,
-                                       head_dim=16,
-                                       num_local_experts=4,
-                                       num_experts_per_tok=2,
-                                       sliding_window=4,
-                                       max_position_embeddings=64,
-                                       rope_parameters={
-                                           "rope_type": "default",
-                                           "rope_theta": 150000.0
-                                       })
-    return transformers.GptOssForCausalLM, config
+    return tiny_hf_models.model_class("gpt_oss"), tiny_hf_models.gpt_oss_config()
 
 
 MODELS = {"deepseek_v4": deepseek_v4, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe, "gpt_oss": gpt_oss}

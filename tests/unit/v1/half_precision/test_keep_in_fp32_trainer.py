@@ -46,6 +46,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import deepspeed  # noqa: E402
+from unit import tiny_hf_models  # noqa: E402
 from unit.v1.half_precision import _trainer_run  # noqa: E402
 from unit.v1.half_precision.test_keep_in_fp32_transformers import MODELS as HF_TEST_MODELS  # noqa: E402
 
@@ -59,27 +60,7 @@ PRISTINE_TREE = os.environ.get("DS_PRISTINE_TREE")
 
 
 def _deepseek_v3():
-    config = transformers.DeepseekV3Config(vocab_size=_trainer_run.VOCAB,
-                                           hidden_size=32,
-                                           intermediate_size=64,
-                                           moe_intermediate_size=16,
-                                           num_hidden_layers=2,
-                                           first_k_dense_replace=0,
-                                           num_attention_heads=2,
-                                           num_key_value_heads=2,
-                                           n_shared_experts=1,
-                                           n_routed_experts=4,
-                                           num_experts_per_tok=2,
-                                           n_group=1,
-                                           topk_group=1,
-                                           kv_lora_rank=16,
-                                           q_lora_rank=16,
-                                           qk_rope_head_dim=8,
-                                           qk_nope_head_dim=8,
-                                           v_head_dim=16,
-                                           max_position_embeddings=64,
-                                           num_mtp_layers=0)
-    return transformers.DeepseekV3ForCausalLM, config
+    return tiny_hf_models.model_class("deepseek_v3"), tiny_hf_models.deepseek_v3_config(vocab_size=_trainer_run.VOCAB)
 
 
 MODELS = {"deepseek_v3": _deepseek_v3, "deepseek_v4": HF_TEST_MODELS["deepseek_v4"]}

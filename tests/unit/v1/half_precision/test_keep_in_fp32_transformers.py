@@ -42,61 +42,21 @@ import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+from unit import tiny_hf_models  # noqa: E402
 from unit.common import DistributedTest  # noqa: E402
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 8, 2
+VOCAB, SEQ, BATCH = tiny_hf_models.VOCAB, 8, 2
 STEPS = 3
 LR = 1e-5  # an Adam step moves a parameter by about LR: below half an ulp of bf16 and fp16 in [0.5, 1.5)
 
 
 def _deepseek_v4():
-    config = transformers.DeepseekV4Config(vocab_size=VOCAB,
-                                           hidden_size=HIDDEN,
-                                           moe_intermediate_size=16,
-                                           num_hidden_layers=2,
-                                           num_attention_heads=2,
-                                           num_key_value_heads=1,
-                                           head_dim=16,
-                                           q_lora_rank=16,
-                                           o_groups=2,
-                                           o_lora_rank=8,
-                                           n_routed_experts=4,
-                                           num_experts_per_tok=2,
-                                           n_shared_experts=1,
-                                           max_position_embeddings=64,
-                                           layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
-                                           compress_rates={
-                                               "compressed_sparse_attention": 2,
-                                               "heavily_compressed_attention": 4
-                                           },
-                                           mlp_layer_types=["hash_moe", "moe"],
-                                           sliding_window=4,
-                                           hc_mult=2,
-                                           hc_sinkhorn_iters=3,
-                                           index_n_heads=2,
-                                           index_head_dim=8,
-                                           index_topk=2)
-    return transformers.DeepseekV4ForCausalLM, config
+    return tiny_hf_models.model_class("deepseek_v4"), tiny_hf_models.deepseek_v4_config()
 
 
 def _gpt_oss():
-    config = transformers.GptOssConfig(vocab_size=VOCAB,
-                                       hidden_size=HIDDEN,
-                                       intermediate_size=HIDDEN,
-                                       num_hidden_layers=2,
-                                       num_attention_heads=2,
-                                       num_key_value_heads=1,
-                                       head_dim=16,
-                                       num_local_experts=4,
-                                       num_experts_per_tok=2,
-                                       sliding_window=4,
-                                       max_position_embeddings=64,
-                                       rope_parameters={
-                                           "rope_type": "default",
-                                           "rope_theta": 150000.0
-                                       })
-    return transformers.GptOssForCausalLM, config
+    return tiny_hf_models.model_class("gpt_oss"), tiny_hf_models.gpt_oss_config()
 
 
 MODELS = {"deepseek_v4": _deepseek_v4, "gpt_oss": _gpt_oss}

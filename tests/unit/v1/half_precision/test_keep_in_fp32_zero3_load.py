@@ -33,9 +33,10 @@ transformers = pytest.importorskip("transformers")
 
 import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+from unit import tiny_hf_models  # noqa: E402
 from unit.common import DistributedTest  # noqa: E402
 from unit.v1.half_precision import test_keep_in_fp32_transformers as hf_tests  # noqa: E402
-from unit.v1.half_precision.test_keep_in_fp32_transformers import MODELS, differs_from, reload_from_checkpoint  # noqa
+from unit.v1.half_precision.test_keep_in_fp32_transformers import differs_from, reload_from_checkpoint  # noqa: E402
 
 FINAL_NORM = "model.norm.weight"
 KNOWN_ISSUE = ("transformers 5.24.0: under ZeRO-3, from_pretrained drops DeepSeek-V4's model.norm.weight (its ZeRO-3 "
@@ -48,9 +49,8 @@ def checkpoint(tmp_path_factory):
     """A tiny DeepSeek-V4 written by save_pretrained, every parameter off its initial value, and ``reference.pt``:
     the values a plain fp32 from_pretrained loads from it (equal to those written)."""
     path = tmp_path_factory.mktemp("deepseek_v4")
-    model_cls, config = MODELS["deepseek_v4"]()
-    torch.manual_seed(0)
-    model = model_cls(config)
+    model_cls = tiny_hf_models.model_class("deepseek_v4")
+    model = tiny_hf_models.tiny_model("deepseek_v4", seed=0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.rand_like(p) + 0.25)  # differs from the initial value in every element
@@ -69,7 +69,7 @@ def _from_pretrained_zero3(path):
     the model lives) and the reference."""
     ds_config = hf_tests._ds_config("bf16", "auto")
     hf_ds_config = transformers.integrations.HfDeepSpeedConfig(ds_config)
-    model = MODELS["deepseek_v4"]()[0].from_pretrained(path, dtype=torch.bfloat16)
+    model = tiny_hf_models.model_class("deepseek_v4").from_pretrained(path, dtype=torch.bfloat16)
     assert all(hasattr(p, "ds_id") for p in model.parameters()), "zero.Init did not partition the parameters"
     return model, ds_config, hf_ds_config, torch.load(Path(path) / "reference.pt")
 

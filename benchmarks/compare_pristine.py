@@ -52,7 +52,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import configs  # noqa: E402
+import launch  # noqa: E402
+import models  # noqa: E402
+import report  # noqa: E402
 
 PRECISIONS = {
     # name: what the config says about the precision
@@ -65,16 +68,16 @@ PRECISIONS = {
 CASES = [
     # name, model, keep_in_fp32_modules, control
     ("DeepSeek-V4 (tiny), keep_in_fp32_modules: []", "deepseek_v4", [], False),
-    ("torch model listing nothing, default (\"auto\")", "tiny_net", common.UNSET, False),
+    ("torch model listing nothing, default (\"auto\")", "tiny_net", configs.UNSET, False),
 ]
-CONTROL = ("control: DeepSeek-V4 (tiny), default (\"auto\")", "deepseek_v4", common.UNSET, True)
+CONTROL = ("control: DeepSeek-V4 (tiny), default (\"auto\")", "deepseek_v4", configs.UNSET, True)
 
 
 def precision_config(precision, world_size, keep):
-    """The ZeRO-3 config of common.ds_config in the given precision."""
+    """The ZeRO-3 config of configs.ds_config in the given precision."""
     if precision in ("bf16", "fp16"):
-        return common.ds_config(4, world_size, keep=keep, dtype=precision)
-    config = common.ds_config(4, world_size, keep=keep, dtype="bf16")
+        return configs.ds_config(4, world_size, keep=keep, dtype=precision)
+    config = configs.ds_config(4, world_size, keep=keep, dtype="bf16")
     del config["bf16"]
     if precision == "autocast":
         config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
@@ -115,7 +118,7 @@ def compare_runs(pristine, patched, params_pristine, params_patched):
                 differing.append(name)
                 max_diff = float("nan")
                 continue
-            identical, diff = common.compare_tensors(a[name], b[name])
+            identical, diff = report.compare_tensors(a[name], b[name])
             same += identical
             if not identical:
                 differing.append(name)
@@ -156,18 +159,18 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--workdir", default=str(common.ROOT / "out" / "compare_pristine"))
+    parser.add_argument("--workdir", default=str(launch.ROOT / "out" / "compare_pristine"))
     parser.add_argument("--no-control", action="store_true", help="skip the control case")
     args = parser.parse_args()
     import torch
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    machine = common.machine_description()
+    machine = report.machine_description()
     command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
     print(f"command: {command}")
-    print(f"machine: {common.machine_line(machine)}")
-    series = common.dev_tree_state()
+    print(f"machine: {report.machine_line(machine)}")
+    series = launch.dev_tree_state()
     print(f"series: build/deepspeed at {series}")
     print(f"runs: {args.steps} ZeRO-3 steps, world size {args.world_size}, AdamW lr 1e-3, gradient clipping 1.0, "
           f"micro batch 4 x 16 tokens, stage3_param_persistence_threshold 0; one subprocess per rank")
@@ -182,7 +185,7 @@ def main():
     print()
 
     run_start = time.time()
-    model_dir = common.save_hf_model("deepseek_v4", workdir / "models" / "deepseek_v4", seed=args.seed)
+    model_dir = models.save_hf_model("deepseek_v4", workdir / "models" / "deepseek_v4", seed=args.seed)
     results, failed = [], []
     for precision, (name, model, keep, control) in jobs:
         spec = dict(model=model,
@@ -199,12 +202,12 @@ def main():
                     config=precision_config(precision, args.world_size, keep),
                     dump_params=True)
         runs, params = {}, {}
-        slug = f"{precision}/{model}_{'default' if keep == common.UNSET else 'empty'}"
+        slug = f"{precision}/{model}_{'default' if keep == configs.UNSET else 'empty'}"
         start = time.time()
         try:
-            for build in common.BUILDS:
+            for build in launch.BUILDS:
                 job = workdir / slug / build
-                runs[build] = common.launch(spec, build, args.world_size, job)
+                runs[build] = launch.launch(spec, build, args.world_size, job)
                 params[build] = torch.load(job / "params.pt")
         except RuntimeError as err:
             print(f"[{precision}] {name}: FAILED\n{err}")
@@ -213,15 +216,15 @@ def main():
         cmp = compare_runs(runs["pristine"], runs["patched"], params["pristine"], params["patched"])
         cmp.update(name=name,
                    precision=precision,
-                   keep=common.describe_keep(keep),
+                   keep=configs.describe_keep(keep),
                    control=control,
                    seconds=round(time.time() - start, 1),
                    fp32_params={b: len(runs[b][0]["fp32_params"])
-                                for b in common.BUILDS},
+                                for b in launch.BUILDS},
                    param_dtypes={b: runs[b][0]["param_dtypes"]
-                                 for b in common.BUILDS},
+                                 for b in launch.BUILDS},
                    deepspeed={b: runs[b][0]["deepspeed_path"]
-                              for b in common.BUILDS})
+                              for b in launch.BUILDS})
         cmp["identical"] = (cmp["same_steps"] == cmp["steps"] and cmp["master"]["same"] == cmp["master"]["tensors"]
                             and cmp["gathered"]["same"] == cmp["gathered"]["tensors"])
         print(f"[{precision}] {name}: {'IDENTICAL' if cmp['identical'] else 'DIFFERENT'} ({cmp['seconds']} s)",
@@ -245,7 +248,7 @@ def main():
         "precision", "case (pristine 0.19.8 vs series)", "losses identical", "max diff", "fp32 masters identical",
         "max diff", "gathered params identical", "max diff", "fp32 params", "verdict"
     ]
-    print(common.text_table(header, rows))
+    print(report.text_table(header, rows))
     print("(identical = bitwise; fp32 params = parameters stored in fp32, pristine / series: all of them in fp32 "
           "and under autocast)\n")
     for r in results:
@@ -271,7 +274,7 @@ def main():
                       f"{' ...' if len(c['differing']) > 10 else ''}"
                       f"{'; dtype ' + ', '.join(c['dtype_changes']) if c['dtype_changes'] else ''}")
         print(f"  ({r['seconds']} s; pristine: {r['deepspeed']['pristine']}; series: {r['deepspeed']['patched']})")
-    series_end = common.dev_tree_state()
+    series_end = launch.dev_tree_state()
     if series_end != series:
         print(f"WARNING: the dev tree changed during the run ({series} -> {series_end}); rerun for a clean result")
     (workdir / "results.json").write_text(

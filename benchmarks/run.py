@@ -36,7 +36,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import configs  # noqa: E402
+import launch  # noqa: E402
+import models  # noqa: E402
+import report  # noqa: E402
 
 VARIANTS = ("pristine", "series []", "series kept")
 THEORY_BYTES_PER_ELEMENT = 4  # 2 more in the parameter partition (fp32, not bf16) + 2 more in the grad partition
@@ -48,14 +51,14 @@ def variant_setup(model, variant, gpt_oss_mode):
     """(build, keep_in_fp32_modules, dtype) of one variant."""
     dtype = "fp16" if (model == "gpt_oss" and gpt_oss_mode == "fp16") else "bf16"
     if variant == "pristine":
-        return "pristine", common.UNSET, dtype
+        return "pristine", configs.UNSET, dtype
     if variant == "series []":
         return "patched", [], dtype
     if model == "gpt_oss" and gpt_oss_mode == "list":
         return "patched", ["sinks", "norm"], dtype
     if model == "tiny_net":
         return "patched", ["keep"], dtype
-    return "patched", common.UNSET, dtype
+    return "patched", configs.UNSET, dtype
 
 
 def kept_description(model, gpt_oss_mode):
@@ -84,7 +87,7 @@ def run_group(args, model, world_size, extra_spec, label):
 
 
 def job_spec(args, model, dtype, steps, config, **extra):
-    """What a rank of one job runs (benchmarks/common.py reads it from spec.json)."""
+    """What a rank of one job runs (benchmarks/worker.py reads it from spec.json)."""
     return dict(model=model,
                 dtype=dtype,
                 micro_batch=args.micro_batch,
@@ -98,13 +101,13 @@ def job_spec(args, model, dtype, steps, config, **extra):
 
 def run_job(args, model, variant, world_size, extra_spec, label, rnd=0):
     build, keep, dtype = variant_setup(model, variant, args.gpt_oss_mode)
-    config = common.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype)
+    config = configs.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype)
     spec = job_spec(args, model, dtype, args.steps, config, measure=True, **extra_spec)
     job_dir = Path(args.workdir) / label / f"ws{world_size}" / variant.replace(" ", "_").replace("[]", "empty")
     if args.rounds > 1:
         job_dir = job_dir / f"round{rnd}"
     start = time.time()
-    ranks = common.launch(spec, build, world_size, job_dir)
+    ranks = launch.launch(spec, build, world_size, job_dir)
     summary = summarize(ranks)
     print(
         f"  {label:<28} ws={world_size} {variant:<12} {time.time() - start:6.1f} s  "
@@ -114,7 +117,7 @@ def run_job(args, model, variant, world_size, extra_spec, label, rnd=0):
         "model": model,
         "variant": variant,
         "world_size": world_size,
-        "keep": common.describe_keep(keep),
+        "keep": configs.describe_keep(keep),
         "dtype": dtype,
         "build": build,
         "ranks": ranks,
@@ -126,25 +129,25 @@ def run_paired(args, model, world_size, extra_spec, label):
     """`series []` and `series kept` as two engines in the same processes, alternating steps (a paired timing)."""
     _, keep_empty, dtype = variant_setup(model, "series []", args.gpt_oss_mode)
     _, keep_kept, _ = variant_setup(model, "series kept", args.gpt_oss_mode)
-    configs = [
-        common.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype) for keep in (keep_empty, keep_kept)
+    paired_configs = [
+        configs.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype) for keep in (keep_empty, keep_kept)
     ]
-    spec = job_spec(args, model, dtype, args.paired_steps, configs[0], paired=configs, **extra_spec)
+    spec = job_spec(args, model, dtype, args.paired_steps, paired_configs[0], paired=paired_configs, **extra_spec)
     job_dir = Path(args.workdir) / label / f"ws{world_size}" / "paired"
     start = time.time()
-    ranks = common.launch(spec, "patched", world_size, job_dir)
+    ranks = launch.launch(spec, "patched", world_size, job_dir)
     steps = len(ranks[0]["step_times"][0])
     wall = [[max(r["step_times"][i][s] for r in ranks) for s in range(steps)] for i in range(2)]
     cpu = [[sum(r["cpu_times"][i][s] for r in ranks) for s in range(steps)] for i in range(2)]
     summary = {
         "steps": steps,
-        "empty_median": common.stats(wall[0])["median"],
-        "kept_median": common.stats(wall[1])["median"],
-        "median_step_ratio": common.stats([b / a for a, b in zip(*wall)])["median"],
+        "empty_median": report.stats(wall[0])["median"],
+        "kept_median": report.stats(wall[1])["median"],
+        "median_step_ratio": report.stats([b / a for a, b in zip(*wall)])["median"],
         "median_step_ratio_ci95": bootstrap_median_ci([b / a for a, b in zip(*wall)]),
         "total_ratio": ratio(sum(wall[1]), sum(wall[0])),
         "cpu_total_ratio": ratio(sum(cpu[1]), sum(cpu[0])),
-        "cpu_median_step_ratio": common.stats([b / a for a, b in zip(*cpu)])["median"],
+        "cpu_median_step_ratio": report.stats([b / a for a, b in zip(*cpu)])["median"],
         "fp32_params": ranks[0]["fp32_params"],
     }
     print(
@@ -155,7 +158,8 @@ def run_paired(args, model, world_size, extra_spec, label):
         "model": model,
         "variant": "paired: series [] | series kept",
         "world_size": world_size,
-        "keep": [common.describe_keep(keep_empty), common.describe_keep(keep_kept)],
+        "keep": [configs.describe_keep(keep_empty),
+                 configs.describe_keep(keep_kept)],
         "dtype": dtype,
         "build": "patched",
         "ranks": ranks,
@@ -169,7 +173,7 @@ def bootstrap_median_ci(values, resamples=2000, seed=0):
     if len(values) < 2:
         return [float("nan"), float("nan")]
     rng = random.Random(seed)
-    medians = sorted(common.stats([rng.choice(values) for _ in values])["median"] for _ in range(resamples))
+    medians = sorted(report.stats([rng.choice(values) for _ in values])["median"] for _ in range(resamples))
     return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
 
 
@@ -186,7 +190,7 @@ def paired_table(paired):
             fmt_ratio(s["cpu_median_step_ratio"]),
             fmt_ratio(s["cpu_total_ratio"])
         ])
-    return common.markdown_table([
+    return report.markdown_table([
         "model", "world", "step pairs", "fp32 params ([] / kept)", "[] step ms (median)", "kept step ms (median)",
         "kept / []: median of step ratios [95 % CI]", "kept / []: total time", "CPU: median of step ratios",
         "CPU: total"
@@ -207,7 +211,7 @@ def summarize(ranks, rounds=None):
     """Summary of a job; step times pooled over ``rounds`` (lists of ranks), the rest from the first round."""
     per_step = [t for rnd in (rounds or [ranks]) for t in step_times(rnd)]
     cpu_per_step = [t for rnd in (rounds or [ranks]) for t in cpu_times(rnd)]
-    s = {"time": common.stats(per_step), "cpu": common.stats(cpu_per_step), "timed_steps": len(per_step)}
+    s = {"time": report.stats(per_step), "cpu": report.stats(cpu_per_step), "timed_steps": len(per_step)}
     s["peak_rss_sum"] = sum(r["peak_rss_bytes"] for r in ranks)
     s["peak_rss_max"] = max(r["peak_rss_bytes"] for r in ranks)
     if "live_tensor_bytes" in ranks[0]:
@@ -330,31 +334,31 @@ def section_tables(jobs, gpu):
                                  f"{kib(comps[k] - comps0.get(k, 0))}"
                                  for k in comps if comps[k] != comps0.get(k, 0)) or "-")
             theory_rows.append(row)
-    out["time"] = common.markdown_table([
+    out["time"] = report.markdown_table([
         "model", "world", "variant", "keep_in_fp32_modules", "fp32 params (share of elements)",
         "step ms min / median / max", "median ratio to pristine", "min ratio to pristine",
         "CPU ms per step, all ranks (median)", "CPU ratio to pristine"
     ], time_rows)
     if gpu:
-        out["memory"] = common.markdown_table([
+        out["memory"] = report.markdown_table([
             "model", "world", "variant", "allocator peak, sum of ranks (MiB)", "max rank (MiB)", "ratio to pristine",
             "ZeRO-3 optimizer state per rank (KiB)"
         ], mem_rows)
     else:
-        out["memory"] = common.markdown_table([
+        out["memory"] = report.markdown_table([
             "model", "world", "variant", "peak RSS, sum of ranks (MiB)", "max rank (MiB)", "RSS ratio to pristine",
             "live tensors at peak, sum of ranks (KiB)", "live tensors ratio", "ZeRO-3 optimizer state per rank (KiB)"
         ], mem_rows)
-    out["theory"] = common.markdown_table([
+    out["theory"] = report.markdown_table([
         "model", "world", "kept elements", "kept elements per rank partition", "theoretical extra per rank (KiB)",
         "extra by the series' design (KiB)",
         "optimizer-held extra per rank (KiB)", "measured / theoretical", "optimizer-held = design",
         ("allocator peak" if gpu else "live-tensor peak") + " extra per rank (KiB)", "measured / theoretical",
         "fp32 gradients in flight during backward, at most (KiB)", "optimizer extra by component (KiB per rank)"
     ], theory_rows)
-    out["comm"] = common.markdown_table(["model", "world", "variant"] + [k.replace("|", " ") for k in comm_keys],
+    out["comm"] = report.markdown_table(["model", "world", "variant"] + [k.replace("|", " ") for k in comm_keys],
                                         comm_rows)
-    out["logger"] = common.markdown_table(["model", "world", "variant", "comms logger, one step: op count"],
+    out["logger"] = report.markdown_table(["model", "world", "variant", "comms logger, one step: op count"],
                                           logger_rows)
     return out
 
@@ -373,8 +377,10 @@ def comm_check(jobs):
             k: kept.get(k, 0) - empty.get(k, 0)
             for k in set(kept) | set(empty) if kept.get(k, 0) != empty.get(k, 0)
         }
-        total, total_empty = ({kind: sum(v for k, v in c.items() if k.startswith(kind))
-                               for kind in ("all-gather", "reduce-scatter")} for c in (kept, empty))
+        total, total_empty = ({
+            kind: sum(v for k, v in c.items() if k.startswith(kind))
+            for kind in ("all-gather", "reduce-scatter")
+        } for c in (kept, empty))
         changes = ", ".join(f"{k.replace('|', ' ')} {v:+g}" for k, v in sorted(extra.items())) or "no change"
         line = (f"- {label}, world size {ws}: series [] vs pristine: "
                 f"{'identical counts' if same_base else 'DIFFERENT counts'}; kept vs []: {changes}: "
@@ -394,7 +400,7 @@ def comm_check(jobs):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few steps, world size 2, one share: a smoke run")
-    parser.add_argument("--out", default=str(common.ROOT / "out" / "bench"), help="folder for results.{json,md}")
+    parser.add_argument("--out", default=str(launch.ROOT / "out" / "bench"), help="folder for results.{json,md}")
     parser.add_argument("--workdir", default=None, help="folder for the jobs (default: OUT/jobs)")
     parser.add_argument("--world-sizes", default=None, help="comma-separated (default 2,4; --quick: 2)")
     parser.add_argument("--models", default="deepseek_v4,gpt_oss")
@@ -431,13 +437,13 @@ def main():
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     if args.paired_steps is None:
         args.paired_steps = 4 if args.quick else 100
-    models = [m for m in args.models.split(",") if m]
+    hf_models = [m for m in args.models.split(",") if m]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.workdir = args.workdir or str(out / "jobs")
 
-    machine = common.machine_description()
-    gpu = common.on_gpu()
+    machine = report.machine_description()
+    gpu = launch.on_gpu()
     command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
     started = time.time()
     notes = []
@@ -451,19 +457,19 @@ def main():
                  "row group (its variants run back to back) rather than absolute times. The min ratio and the CPU "
                  "time per step (CPU seconds of all ranks' processes, which other processes' load and waiting in "
                  "collectives do not add to) are the least noise-sensitive.")
-    series = common.dev_tree_state()
-    print(f"command: {command}\nmachine: {common.machine_line(machine)}\nseries: build/deepspeed at {series}")
+    series = launch.dev_tree_state()
+    print(f"command: {command}\nmachine: {report.machine_line(machine)}\nseries: build/deepspeed at {series}")
     for n in notes:
         print(f"note: {n}")
 
     model_jobs = {}
-    for model in models:
-        model_dir = common.save_hf_model(model, Path(args.workdir) / "models" / model, seed=args.seed)
+    for model in hf_models:
+        model_dir = models.save_hf_model(model, Path(args.workdir) / "models" / model, seed=args.seed)
         for ws in args.world_sizes:
             model_jobs[(MODEL_LABELS[model], ws)] = run_group(args, model, ws, {"model_dir": str(model_dir)}, model)
     share_jobs = {}
     for share in args.shares:
-        keep = common.keep_elements_for_share(share, args.synthetic_dim, args.synthetic_layers)
+        keep = models.keep_elements_for_share(share, args.synthetic_dim, args.synthetic_layers)
         extra = dict(dim=args.synthetic_dim, layers=args.synthetic_layers, keep_per_block=keep)
         ws = 2 if 2 in args.world_sizes else args.world_sizes[0]
         share_jobs[(f"synthetic, {100 * share:g} % listed", ws)] = run_group(args, "tiny_net", ws, extra,
@@ -472,23 +478,23 @@ def main():
     paired = {}
     if not args.no_paired:
         ws = 2 if 2 in args.world_sizes else args.world_sizes[0]
-        for model in models:
+        for model in hf_models:
             model_dir = Path(args.workdir) / "models" / model
             paired[(MODEL_LABELS[model], ws)] = run_paired(args, model, ws, {"model_dir": str(model_dir)}, model)
         for share in args.shares:
-            keep = common.keep_elements_for_share(share, args.synthetic_dim, args.synthetic_layers)
+            keep = models.keep_elements_for_share(share, args.synthetic_dim, args.synthetic_layers)
             extra = dict(dim=args.synthetic_dim, layers=args.synthetic_layers, keep_per_block=keep)
             paired[(f"synthetic, {100 * share:g} % listed", ws)] = run_paired(args, "tiny_net", ws, extra,
                                                                               f"synthetic_{share:g}")
 
     elapsed = time.time() - started
-    series_end = common.dev_tree_state()
+    series_end = launch.dev_tree_state()
     if series_end != series:
         notes.append(f"The dev tree changed during the run ({series} -> {series_end}): the series rows may mix two "
                      "versions; rerun for clean numbers.")
     md = [
         "# keep_in_fp32_modules under ZeRO-3: cost against pristine DeepSpeed 0.19.8", "", f"Command: `{command}`  ",
-        f"Machine: {common.machine_line(machine)}  ",
+        f"Machine: {report.machine_line(machine)}  ",
         f"Series: the dev tree `build/deepspeed` at {series}; pristine: DeepSpeed 0.19.8 from `build/pristine`  ",
         f"Device: {'CUDA GPU, NCCL, allocator peak' if gpu else 'CPU (DS_ACCELERATOR=cpu), gloo, peak RSS'}  ",
         f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}; the whole run took {elapsed / 60:.1f} min",
@@ -501,7 +507,7 @@ def main():
         "One subprocess per rank. The variants: `pristine` = DeepSpeed 0.19.8 with its default config; "
         "`series []` = the patch series with `keep_in_fp32_modules: []`; `series kept` = the series keeping the "
         "listed parameters in fp32, with: " + "; ".join(f"{MODEL_LABELS[m]}: {kept_description(m, args.gpt_oss_mode)}"
-                                                        for m in models + ["tiny_net"]) + ".", ""
+                                                        for m in hf_models + ["tiny_net"]) + ".", ""
     ]
     md += [f"Note: {n}" for n in notes] + [""]
     results = {
@@ -537,8 +543,7 @@ def main():
             "gradients wait for their bucket's reduction in the tensors autograd made, at most 4 bytes per kept "
             "element of the full size (the `in flight` column), and are freed once reduce-scattered into the fp32 "
             "partitions; the training dtype's gradients wait in pristine's own bucket, which the series leaves as "
-            "it is.", "",
-            tables["theory"], ""
+            "it is.", "", tables["theory"], ""
         ]
         md += [
             "### Collectives per step, by kind and dtype", "",

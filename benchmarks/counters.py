@@ -1,0 +1,153 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""What a rank counts (imported by worker.py, inside the ranks): the collectives that reach DeepSpeed's
+communication backend, by kind and dtype; the bytes of live tensors, of the optimizer's buffers and states; RSS.
+"""
+
+import collections
+import gc
+import os
+
+COMM_KINDS = {
+    "all_gather_into_tensor": "all-gather",
+    "all_gather": "all-gather",
+    "all_gather_base": "all-gather",
+    "all_gather_coalesced": "all-gather",
+    "reduce_scatter_tensor": "reduce-scatter",
+    "reduce_scatter": "reduce-scatter",
+    "all_reduce": "all-reduce",
+    "all_reduce_coalesced": "all-reduce",
+    "inference_all_reduce": "all-reduce",
+    "reduce": "reduce",
+    "broadcast": "broadcast",
+    "all_to_all_single": "all-to-all",
+    "all_to_all": "all-to-all",
+}
+
+
+def _first_tensor(values):
+    import torch
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (list, tuple)):
+            found = _first_tensor(value)
+            if found is not None:
+                return found
+    return None
+
+
+def _tensors(values):
+    import torch
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
+
+
+class CommCounter:
+    """Counts the collectives that reach DeepSpeed's communication backend, by kind and dtype.
+
+    Wraps the backend's methods (``deepspeed.comm.comm.cdb``), which every ``deepspeed.comm`` collective calls.
+    DeepSpeed's comms logger counts the same calls by name and message size but not by dtype.
+    """
+
+    def __init__(self):
+        import deepspeed.comm.comm as dcomm
+        self.counts = collections.Counter()
+        self.bytes = collections.Counter()
+        self.active = False
+        cdb = dcomm.cdb
+        for op in COMM_KINDS:
+            fn = getattr(cdb, op, None)
+            if fn is not None:
+                setattr(cdb, op, self._wrap(op, fn))
+
+    def _wrap(self, op, fn):
+
+        def counted(*args, **kwargs):
+            if self.active:
+                values = list(args) + list(kwargs.values())
+                tensor = _first_tensor(values)
+                key = (COMM_KINDS[op], str(tensor.dtype).replace("torch.", "") if tensor is not None else "-")
+                self.counts[key] += 1
+                # message: the largest tensor argument (the gathered output, the reduce-scatter input)
+                self.bytes[key] += max((t.numel() * t.element_size() for t in _tensors(values)), default=0)
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def snapshot(self):
+        return {
+            f"{kind}|{dtype}": [self.counts[(kind, dtype)], self.bytes[(kind, dtype)]]
+            for kind, dtype in self.counts
+        }
+
+
+def _storage_key(tensor):
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes(), tensor.device.type
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def live_tensor_bytes(device_type):
+    """Bytes of all distinct tensor storages on ``device_type`` that Python objects reach (a CPU allocator census)."""
+    import torch
+    seen = set()
+    total = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            key = _storage_key(obj)
+            if key and key[0] and key[2] == device_type and key[0] not in seen:
+                seen.add(key[0])
+                total += key[1]
+    return total
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes the ZeRO-3 optimizer holds, by component (each storage counted once, in the first component)."""
+    import torch
+    seen = set()
+
+    def size(tensors):
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if key and key[0] and key[0] not in seen:
+                seen.add(key[0])
+                total += key[1]
+        return total
+
+    states = []
+    for state in optimizer.optimizer.state.values():
+        states.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    buckets = getattr(optimizer, "ipg_buckets", None) or {}
+    components = collections.OrderedDict()
+    components["param partitions, training dtype"] = size([getattr(optimizer, "lp_param_buffer", None)])
+    components["param partitions, fp32 (kept)"] = size([getattr(optimizer, "kept_param_buffer", None)])
+    components["fp32 master partitions"] = size(getattr(optimizer, "fp32_partitioned_groups_flat", []))
+    components["grad partitions, training dtype"] = size([getattr(optimizer, "grad_partitions_flat_buffer", None)])
+    components["grad partitions, fp32 (kept)"] = size([getattr(optimizer, "kept_grad_partitions_flat_buffer", None)])
+    components["reduce (ipg) buckets"] = size([getattr(b, "buffer", None) for b in buckets.values()])
+    components["optimizer states"] = size(states)
+    return components
+
+
+def peak_rss_bytes():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def current_rss_bytes():
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0

@@ -1,0 +1,284 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""One rank of a benchmark job, started by ``torchrun`` (launch.py): ``worker.py SPEC``.
+
+It reads the job's spec (JSON: the model, the DeepSpeed config, the steps), builds the engine with whichever
+DeepSpeed ``import deepspeed`` finds (the launcher's PYTHONPATH chooses the build), trains, measures (counters.py)
+and writes ``rank<r>.json`` (and, when asked, the final parameters, ``params.pt``) into the job's folder. Its output
+goes to ``rank<r>.log`` there.
+"""
+
+import argparse
+import collections
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from counters import (CommCounter, current_rss_bytes, live_tensor_bytes, optimizer_state_bytes, peak_rss_bytes)
+from launch import DEV_TREE, PRISTINE
+from models import HF_MODELS, VOCAB, make_tiny_net, tiny_hf_models
+
+
+def _exit_with_parent():
+    """End this rank if the launcher goes away (killed, interrupted), instead of waiting in a collective forever."""
+    import threading
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(2)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def build_engine(spec, config):
+    """The model of ``spec`` (seeded; HF models loaded under zero.Init) wrapped by deepspeed.initialize."""
+    import torch
+    import deepspeed
+    # "fp32" and "autocast" (torch autocast, no bf16/fp16 section) train fp32 weights
+    train_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["dtype"], torch.float32)
+    torch.manual_seed(spec["seed"])
+    if spec["model"] in HF_MODELS:
+        from transformers.integrations import HfDeepSpeedConfig
+        hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841  (zero.Init while from_pretrained runs)
+        model = tiny_hf_models.model_class(spec["model"]).from_pretrained(spec["model_dir"], dtype=train_dtype)
+
+        def loss_fn(engine, ids):
+            return engine(input_ids=ids, labels=ids).loss
+    else:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = make_tiny_net(spec["dim"], spec["layers"], spec["keep_per_block"])
+
+        def loss_fn(engine, ids):
+            return engine(ids, ids)
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-3), weight_decay=0.0)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine, loss_fn
+
+
+def _paired_main(spec, rank, job_dir, device):
+    """Two engines of one build in the same processes (``spec["paired"]``: their configs), trained on the same
+    batches in alternating steps (A, B, A, B, ...), so that the machine's load falls on both alike."""
+    import torch
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    engines = [build_engine(spec, config) for config in spec["paired"]]
+    gen = torch.Generator().manual_seed(spec["seed"] * 1000 + rank)
+    total_steps = spec["warmup"] + spec["steps"]
+    batches = [torch.randint(0, VOCAB, (spec["micro_batch"], spec["seq"]), generator=gen) for _ in range(total_steps)]
+    times = [[] for _ in engines]
+    cpu = [[] for _ in engines]
+    losses = [[] for _ in engines]
+    for step in range(total_steps):
+        # alternate which engine goes first, so that neither always follows the other
+        order = range(len(engines)) if step % 2 == 0 else reversed(range(len(engines)))
+        for i in order:
+            engine, loss_fn = engines[i]
+            ids = batches[step].to(device)
+            acc.synchronize()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            loss = loss_fn(engine, ids)
+            engine.backward(loss)
+            engine.step()
+            acc.synchronize()
+            times[i].append(time.perf_counter() - start)
+            cpu[i].append(time.process_time() - cpu_start)
+            losses[i].append(loss.detach().float().item())
+    result = {
+        "rank": rank,
+        "paired": True,
+        "step_times": [t[spec["warmup"]:] for t in times],
+        "cpu_times": [c[spec["warmup"]:] for c in cpu],
+        "losses": losses,
+        "fp32_params": [sum(p.dtype == torch.float32 for p in e.module.parameters()) for e, _ in engines],
+    }
+    dist.barrier()
+    (job_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
+def _log_to_file(path):
+    """Send this process's output (Python's and the C++ libraries') to ``path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def worker_main(spec_path):
+    spec = json.loads(Path(spec_path).read_text())
+    rank = int(os.environ["RANK"])
+    _log_to_file(Path(spec["job_dir"]) / f"rank{rank}.log")
+    _exit_with_parent()
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    job_dir = Path(spec["job_dir"])
+
+    import torch
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    ds_path = Path(deepspeed.__path__[0]).resolve()
+    expected = (PRISTINE if spec["build"] == "pristine" else DEV_TREE) / "deepspeed"
+    if spec["build"] == "pristine" and ds_path != expected.resolve():
+        raise SystemExit(f"expected pristine DeepSpeed at {expected}, imported {ds_path}")
+    if spec["build"] == "patched" and PRISTINE.resolve() in ds_path.parents:
+        raise SystemExit(f"expected the patched DeepSpeed, imported the pristine one at {ds_path}")
+
+    acc = get_accelerator()
+    device_type = acc.device_name()
+    if spec["dtype"] == "fp16" and device_type == "cpu":
+        # DeepSpeed refuses fp16 on CPUs without avx512_fp16; the benchmark only needs it to run.
+        type(acc).is_fp16_supported = lambda self: True
+    if device_type != "cpu":
+        acc.set_device(local_rank)
+    backend = "gloo" if device_type == "cpu" else acc.communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend)
+
+    config = spec["config"]
+    micro_batch, seq = spec["micro_batch"], spec["seq"]
+    device = torch.device(acc.current_device_name())
+
+    if spec.get("paired"):
+        _paired_main(spec, rank, job_dir, device)
+        return
+
+    engine, loss_fn = build_engine(spec, config)
+    zero_opt = engine.optimizer
+
+    params = list(engine.module.named_parameters())
+    fp32_params = [(n, p) for n, p in params if p.dtype == torch.float32]
+    kept_partition_elements = sum(p.ds_tensor.numel() for _, p in fp32_params)
+    kept_elements = sum(p.ds_numel for _, p in fp32_params)
+
+    counter = CommCounter()
+    gen = torch.Generator().manual_seed(spec["seed"] * 1000 + rank)
+    total_steps = spec["warmup"] + spec["steps"]
+    batches = [torch.randint(0, VOCAB, (micro_batch, seq), generator=gen) for _ in range(total_steps + 2)]
+
+    losses, step_times, cpu_times = [], [], []
+    live_peak = 0
+    for step in range(total_steps):
+        if step == spec["warmup"]:
+            counter.active = True
+            if device_type != "cpu":
+                acc.synchronize()
+                acc.reset_peak_memory_stats()
+        ids = batches[step].to(device)
+        acc.synchronize()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        loss = loss_fn(engine, ids)
+        engine.backward(loss)
+        engine.step()
+        acc.synchronize()
+        step_times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+        losses.append(loss.detach().float().item())
+    counter.active = False
+    comm = counter.snapshot()
+    timed = max(1, spec["steps"])
+
+    result = {
+        "rank": rank,
+        "build": spec["build"],
+        "deepspeed": deepspeed.__version__,
+        "deepspeed_path": str(ds_path),
+        "device": device_type,
+        "backend": backend,
+        "losses": losses,
+        "loss_hex": [float(x).hex() for x in losses],
+        "step_times": step_times[spec["warmup"]:],
+        "warmup_times": step_times[:spec["warmup"]],
+        # CPU seconds of this process (all its threads, gloo's included) per timed step: less sensitive than wall
+        # time to other processes on a shared machine; waiting in a collective costs none
+        "cpu_times": cpu_times[spec["warmup"]:],
+        "comm_per_step": {
+            k: [v[0] / timed, v[1] / timed]
+            for k, v in comm.items()
+        },
+        "n_params": len(params),
+        "n_elements": sum(p.ds_numel for _, p in params),
+        "fp32_params": [n for n, _ in fp32_params],
+        "kept_elements": kept_elements,
+        "kept_partition_elements": kept_partition_elements,
+        "param_dtypes": dict(collections.Counter(str(p.dtype).replace("torch.", "") for _, p in params)),
+    }
+
+    if spec.get("measure"):
+        # One more step, measured: the live-tensor census (CPU) after backward and after the step, the optimizer's
+        # state by component, and DeepSpeed's own comms logger, switched on for this step only.
+        dist.configure(enabled=True, prof_all=True, verbose=False, debug=False)
+        ids = batches[total_steps].to(device)
+        loss = loss_fn(engine, ids)
+        backward_peak = 0
+        if device_type == "cpu":
+            # During backward too: a census each time a gradient is about to enter its reduce bucket, when the
+            # gradients that wait for their bucket's reduction are all alive.
+            reduce_grad = zero_opt.reduce_independent_p_g_buckets_and_remove_grads
+
+            def census_then_reduce(param):
+                nonlocal backward_peak
+                backward_peak = max(backward_peak, live_tensor_bytes("cpu"))
+                return reduce_grad(param)
+
+            zero_opt.reduce_independent_p_g_buckets_and_remove_grads = census_then_reduce
+        engine.backward(loss)
+        if device_type == "cpu":
+            del zero_opt.reduce_independent_p_g_buckets_and_remove_grads
+            result["live_tensor_backward_peak_bytes"] = backward_peak
+            live_peak = max(live_peak, backward_peak, live_tensor_bytes("cpu"))
+        engine.step()
+        acc.synchronize()
+        comms_dict = dist.comms_logger.comms_dict
+        result["comms_logger"] = {name: sum(v[0] for v in sizes.values()) for name, sizes in comms_dict.items()}
+        dist.configure(enabled=False)
+        gc.collect()
+        if device_type == "cpu":
+            steady = live_tensor_bytes("cpu")
+            result["live_tensor_bytes"] = steady
+            result["live_tensor_peak_bytes"] = max(live_peak, steady)
+        else:
+            result["allocated_bytes"] = acc.memory_allocated()
+            result["allocator_peak_bytes"] = acc.max_memory_allocated()
+        result["optimizer_bytes"] = optimizer_state_bytes(zero_opt)
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    result["rss_bytes"] = current_rss_bytes()
+
+    if spec.get("dump_params"):
+        from deepspeed.utils import safe_get_full_fp32_param
+        masters, gathered = {}, {}
+        for name, p in params:
+            masters[name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+            with deepspeed.zero.GatheredParameters([p]):
+                gathered[name] = p.data.detach().cpu().clone()
+        if rank == 0:
+            torch.save({"master": masters, "gathered": gathered}, job_dir / "params.pt")
+
+    dist.barrier()
+    (job_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    # Let every rank write before the process group goes away.
+    dist.barrier()
+    if hasattr(dist, "destroy_process_group"):
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001  (teardown only)
+            pass
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("spec", help="the job's spec (JSON) that launch.py wrote")
+    worker_main(parser.parse_args().spec)

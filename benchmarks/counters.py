@@ -109,34 +109,68 @@ def live_tensor_bytes(device_type):
     return total
 
 
-def optimizer_state_bytes(optimizer):
-    """Bytes the ZeRO-3 optimizer holds, by component (each storage counted once, in the first component)."""
+def _reachable_tensors(value, seen, depth):
+    """The tensors in ``value``: itself, in lists, tuples and dicts, and in objects of DeepSpeed's own classes (ipg
+    buckets, swappers, ...), ``depth`` levels deep; not in modules or optimizers (counted on their own)."""
     import torch
-    seen = set()
+    if id(value) in seen or depth < 0:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple, set)):
+        for item in value:
+            yield from _reachable_tensors(item, seen, depth - 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _reachable_tensors(item, seen, depth - 1)
+    elif (type(value).__module__.startswith("deepspeed") and hasattr(value, "__dict__")
+          and not isinstance(value, (torch.nn.Module, torch.optim.Optimizer))):
+        for item in vars(value).values():
+            yield from _reachable_tensors(item, seen, depth - 1)
+
+
+def held_bytes(engine):
+    """Bytes the parameters and the optimizer hold on this rank, by component; each storage counted once, in the
+    first component that reaches it:
+
+    * ``parameters``: the module's parameters (under ZeRO-3 their partitions, ``ds_tensor``), in every dtype;
+    * ``optimizer states``: the basic (torch) optimizer's states, e.g. Adam's moments;
+    * then each attribute of DeepSpeed's optimizer wrapper that holds tensors (``fp32_groups``,
+      ``single_partition_of_fp32_groups``, ``fp32_partitioned_groups_flat``, ``ipg_buckets`` ...), by its name:
+      masters, flat buffers, gradient partitions, reduce buckets, whatever the stage keeps. Each stage names its
+      buffers in its own way; comparing two runs of one stage shows which buffer grew.
+    """
+    import torch
+    storages = set()
 
     def size(tensors):
         total = 0
         for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
             key = _storage_key(t)
-            if key and key[0] and key[0] not in seen:
-                seen.add(key[0])
+            if key and key[0] and key[0] not in storages:
+                storages.add(key[0])
                 total += key[1]
         return total
 
-    states = []
-    for state in optimizer.optimizer.state.values():
-        states.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    buckets = getattr(optimizer, "ipg_buckets", None) or {}
     components = collections.OrderedDict()
-    components["param partitions, training dtype"] = size([getattr(optimizer, "lp_param_buffer", None)])
-    components["param partitions, fp32 (kept)"] = size([getattr(optimizer, "kept_param_buffer", None)])
-    components["fp32 master partitions"] = size(getattr(optimizer, "fp32_partitioned_groups_flat", []))
-    components["grad partitions, training dtype"] = size([getattr(optimizer, "grad_partitions_flat_buffer", None)])
-    components["grad partitions, fp32 (kept)"] = size([getattr(optimizer, "kept_grad_partitions_flat_buffer", None)])
-    components["reduce (ipg) buckets"] = size([getattr(b, "buffer", None) for b in buckets.values()])
+    params = list(engine.module.parameters())
+    components["parameters"] = size(getattr(p, "ds_tensor", p) for p in params)
+    opt = engine.optimizer
+    basic = getattr(opt, "optimizer", opt)
+    states = []
+    if isinstance(basic, torch.optim.Optimizer):
+        for state in basic.state.values():
+            states.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     components["optimizer states"] = size(states)
+    if opt is not basic and hasattr(opt, "__dict__"):
+        skip = {id(p) for p in params} | {id(basic), id(engine), id(engine.module)}
+        for name, value in sorted(vars(opt).items()):
+            if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+                continue
+            held = size(_reachable_tensors(value, set(skip), 3))
+            if held:
+                components["optimizer." + name] = held
     return components
 
 

@@ -2,10 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The cost of keeping the listed parameters in fp32 under ZeRO-3, side by side with pristine DeepSpeed 0.19.8.
+"""The cost of keeping the listed parameters in fp32, in every ZeRO stage, side by side with pristine DeepSpeed 0.19.8.
 
-One command, one machine, one run. For every model and world size it trains three times with the same weights,
-data and config (ZeRO-3, bf16, AdamW, gradient clipping, one subprocess per rank):
+One command, one machine, one run. For every stage of ``--stages`` (configs.py: ``0`` no ZeRO, ``1``, ``2``, ``3``,
+``3-offload`` with parameter and optimizer offload to the CPU; also ``1-bf16opt``, ``2-offload``,
+``3-offload-param``), model and world size it trains three times with the same weights, data and config (bf16,
+AdamW, gradient clipping, one process per rank, started by torchrun):
 
 * ``pristine``: pristine DeepSpeed 0.19.8 (``PYTHONPATH=build/pristine``), its default config;
 * ``series []``: the patch series with ``data_types.keep_in_fp32_modules: []`` (nothing kept);
@@ -14,14 +16,16 @@ data and config (ZeRO-3, bf16, AdamW, gradient clipping, one subprocess per rank
   ``["sinks", "norm"]`` under bf16 (``--gpt-oss-mode fp16`` uses fp16 with ``"auto"`` instead).
 
 Measured: step time (min/median/max over the steps after warm-up; a step's time is its slowest rank's), peak
-memory (peak RSS of each rank on the CPU; the allocator's peak on a GPU), the bytes the ZeRO-3 optimizer holds
-(by component) and, on the CPU, a census of all live tensor storages, against the theoretical extra; and the
-collectives per step by kind and dtype (counted at DeepSpeed's communication backend; DeepSpeed's comms logger,
-switched on for one extra step, gives the same counts by op name). Then a synthetic model whose listed parameters
-(``keep_in_fp32_modules: ["keep"]``) are 0.1 %, 1 % and 10 % of all elements.
+memory (peak RSS of each rank on the CPU; the allocator's peak on a GPU), the bytes the parameters and the optimizer
+hold (by component) and, on the CPU, a census of all live tensor storages, against the theoretical extra of the
+stage; and the collectives per step by kind and dtype (counted at DeepSpeed's communication backend; DeepSpeed's
+comms logger, switched on for one extra step, gives the same counts by op name). Then a synthetic model whose listed
+parameters (``keep_in_fp32_modules: ["keep"]``) are 0.1 %, 1 % and 10 % of all elements, and the same synthetic
+model at hidden 1024 (``--compute-dim``), whose step is compute-bound. Paired timings (``series []`` and
+``series kept`` in the same processes, alternating steps) at world size 2, and a table of the targets per stage.
 
-    .venv/bin/python benchmarks/run.py --out out/bench           # default: about 10 minutes on 2 cores
-    .venv/bin/python benchmarks/run.py --quick --out out/bench-quick
+    .venv/bin/python benchmarks/run.py --out out/bench
+    .venv/bin/python benchmarks/run.py --quick --stages 3 --out out/bench-quick
     .venv/bin/python benchmarks/run.py --world-sizes 1 --out out/bench-gpu   # one CUDA GPU (NCCL)
 
 Writes DIR/results.json (everything, per rank) and DIR/results.md (the tables, the command, the machine).
@@ -42,7 +46,6 @@ import models  # noqa: E402
 import report  # noqa: E402
 
 VARIANTS = ("pristine", "series []", "series kept")
-THEORY_BYTES_PER_ELEMENT = 4  # 2 more in the parameter partition (fp32, not bf16) + 2 more in the grad partition
 
 MODEL_LABELS = {"deepseek_v4": "DeepSeek-V4 (tiny)", "gpt_oss": "gpt-oss (tiny)", "tiny_net": "synthetic"}
 
@@ -70,12 +73,16 @@ def kept_description(model, gpt_oss_mode):
     return '"auto" (the default: the model\'s _keep_in_fp32_modules_strict)'
 
 
-def run_group(args, model, world_size, extra_spec, label):
+def run_group(args, model, world_size, extra_spec, label, stage):
     """The three variants back to back, ``--rounds`` times (pristine, [], kept, pristine, ...); step times pooled."""
     group = {}
     for rnd in range(args.rounds):
         for variant in VARIANTS:
-            job = run_job(args, model, variant, world_size, extra_spec, label, rnd)
+            try:
+                job = run_job(args, model, variant, world_size, extra_spec, label, stage, rnd)
+            except RuntimeError as err:
+                failed(args, f"stage {stage}, {label}, world size {world_size}, {variant}", err)
+                continue
             if variant in group:
                 group[variant]["rounds"].append(job["ranks"])
             else:
@@ -84,6 +91,14 @@ def run_group(args, model, world_size, extra_spec, label):
     for job in group.values():
         job["summary"] = summarize(job["ranks"], job["rounds"])
     return group
+
+
+def failed(args, what, err):
+    """Note a job that failed (its rows are left out) and go on with the others."""
+    lines = [line.strip() for line in str(err).splitlines() if "Error" in line]
+    reason = (lines[-1] if lines else str(err).splitlines()[0])[:400]
+    print(f"  FAILED: {what}: {reason}", flush=True)
+    args.failures.append(f"{what}: {reason}")
 
 
 def job_spec(args, model, dtype, steps, config, **extra):
@@ -99,23 +114,25 @@ def job_spec(args, model, dtype, steps, config, **extra):
                 **extra)
 
 
-def run_job(args, model, variant, world_size, extra_spec, label, rnd=0):
+def run_job(args, model, variant, world_size, extra_spec, label, stage, rnd=0):
     build, keep, dtype = variant_setup(model, variant, args.gpt_oss_mode)
-    config = configs.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype)
+    config = configs.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype, stage=stage)
     spec = job_spec(args, model, dtype, args.steps, config, measure=True, **extra_spec)
-    job_dir = Path(args.workdir) / label / f"ws{world_size}" / variant.replace(" ", "_").replace("[]", "empty")
+    job_dir = (Path(args.workdir) / f"zero{stage}" / label / f"ws{world_size}" /
+               variant.replace(" ", "_").replace("[]", "empty"))
     if args.rounds > 1:
         job_dir = job_dir / f"round{rnd}"
     start = time.time()
     ranks = launch.launch(spec, build, world_size, job_dir)
     summary = summarize(ranks)
     print(
-        f"  {label:<28} ws={world_size} {variant:<12} {time.time() - start:6.1f} s  "
+        f"  stage {stage:<10} {label:<20} ws={world_size} {variant:<12} {time.time() - start:6.1f} s  "
         f"median step {summary['time']['median'] * 1e3:7.2f} ms",
         flush=True)
     return {
         "model": model,
         "variant": variant,
+        "stage": stage,
         "world_size": world_size,
         "keep": configs.describe_keep(keep),
         "dtype": dtype,
@@ -125,15 +142,16 @@ def run_job(args, model, variant, world_size, extra_spec, label, rnd=0):
     }
 
 
-def run_paired(args, model, world_size, extra_spec, label):
+def run_paired(args, model, world_size, extra_spec, label, stage):
     """`series []` and `series kept` as two engines in the same processes, alternating steps (a paired timing)."""
     _, keep_empty, dtype = variant_setup(model, "series []", args.gpt_oss_mode)
     _, keep_kept, _ = variant_setup(model, "series kept", args.gpt_oss_mode)
     paired_configs = [
-        configs.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype) for keep in (keep_empty, keep_kept)
+        configs.ds_config(args.micro_batch, world_size, keep=keep, dtype=dtype, stage=stage)
+        for keep in (keep_empty, keep_kept)
     ]
     spec = job_spec(args, model, dtype, args.paired_steps, paired_configs[0], paired=paired_configs, **extra_spec)
-    job_dir = Path(args.workdir) / label / f"ws{world_size}" / "paired"
+    job_dir = Path(args.workdir) / f"zero{stage}" / label / f"ws{world_size}" / "paired"
     start = time.time()
     ranks = launch.launch(spec, "patched", world_size, job_dir)
     steps = len(ranks[0]["step_times"][0])
@@ -151,12 +169,13 @@ def run_paired(args, model, world_size, extra_spec, label):
         "fp32_params": ranks[0]["fp32_params"],
     }
     print(
-        f"  {label:<28} ws={world_size} paired       {time.time() - start:6.1f} s  "
+        f"  stage {stage:<10} {label:<20} ws={world_size} paired       {time.time() - start:6.1f} s  "
         f"kept / [] {summary['median_step_ratio']:.3f} (median of step ratios)",
         flush=True)
     return {
         "model": model,
         "variant": "paired: series [] | series kept",
+        "stage": stage,
         "world_size": world_size,
         "keep": [configs.describe_keep(keep_empty),
                  configs.describe_keep(keep_kept)],
@@ -179,11 +198,11 @@ def bootstrap_median_ci(values, resamples=2000, seed=0):
 
 def paired_table(paired):
     rows = []
-    for (label, ws), job in paired.items():
+    for (label, ws, stage), job in paired.items():
         s = job["summary"]
         rows.append([
-            label, ws, s["steps"], f"{s['fp32_params'][0]} / {s['fp32_params'][1]}", f"{s['empty_median'] * 1e3:.2f}",
-            f"{s['kept_median'] * 1e3:.2f}",
+            label, ws, stage, s["steps"], f"{s['fp32_params'][0]} / {s['fp32_params'][1]}",
+            f"{s['empty_median'] * 1e3:.2f}", f"{s['kept_median'] * 1e3:.2f}",
             f"{fmt_ratio(s['median_step_ratio'])} [{fmt_ratio(s['median_step_ratio_ci95'][0])}, "
             f"{fmt_ratio(s['median_step_ratio_ci95'][1])}]",
             fmt_ratio(s["total_ratio"]),
@@ -191,9 +210,9 @@ def paired_table(paired):
             fmt_ratio(s["cpu_total_ratio"])
         ])
     return report.markdown_table([
-        "model", "world", "step pairs", "fp32 params ([] / kept)", "[] step ms (median)", "kept step ms (median)",
-        "kept / []: median of step ratios [95 % CI]", "kept / []: total time", "CPU: median of step ratios",
-        "CPU: total"
+        "model", "world", "stage", "step pairs", "fp32 params ([] / kept)", "[] step ms (median)",
+        "kept step ms (median)", "kept / []: median of step ratios [95 % CI]", "kept / []: total time",
+        "CPU: median of step ratios", "CPU: total"
     ], rows)
 
 
@@ -227,6 +246,8 @@ def summarize(ranks, rounds=None):
         for k in ranks[0]["optimizer_bytes"]
     }
     s["kept_elements"] = ranks[0]["kept_elements"]
+    s["optimizer_class"] = ranks[0].get("optimizer_class", "?")
+    s["loss_hex"] = [r["loss_hex"] for r in ranks]
     s["kept_partition_elements"] = ranks[0]["kept_partition_elements"]
     s["n_elements"] = ranks[0]["n_elements"]
     s["fp32_params"] = len(ranks[0]["fp32_params"])
@@ -235,6 +256,27 @@ def summarize(ranks, rounds=None):
     s["comms_logger"] = ranks[0].get("comms_logger", {})
     s["final_loss"] = sum(r["losses"][-1] for r in ranks) / len(ranks)
     return s
+
+
+def theoretical_extra(stage, kept):
+    """The issue's theoretical extra per rank of keeping, in bytes: a kept element's parameter and gradient are fp32
+    (4 bytes) instead of bf16/fp16 (2) where the stage holds them; its fp32 master and Adam states are as large as
+    before (a design may alias the master with the fp32 parameter and save them: the measured column says).
+
+    * parameters: +2 per kept element on every rank under ZeRO-0/1/2 (full parameters), +2 per element of the
+      rank's partition under ZeRO-3 (with offload_param: in CPU memory);
+    * gradients: +2 per kept element under ZeRO-0 and ZeRO-1 (full gradients until the step), +2 per element of the
+      rank's partition under ZeRO-2 and ZeRO-3; none where every gradient is already accumulated in fp32 (the BF16
+      optimizer, grad_accum_dtype fp32) or copied into fp32 CPU buffers (offload_optimizer).
+    """
+    n, part = kept["kept_elements"], kept["kept_partition_elements"]
+    level = int(stage[0])
+    param = 2 * (n if level < 3 else part)
+    if stage in ("1-bf16opt", "2-offload", "3-offload"):
+        grad = 0
+    else:
+        grad = 2 * (n if level < 2 else part)
+    return param + grad
 
 
 def design_extra_bytes(kept):
@@ -273,7 +315,9 @@ def section_tables(jobs, gpu):
     out = {}
     time_rows, mem_rows, theory_rows, comm_rows, logger_rows = [], [], [], [], []
     comm_keys = sorted({k for group in jobs.values() for j in group.values() for k in j["summary"]["comm"]})
-    for (label, ws), group in jobs.items():
+    for (label, ws, stage), group in jobs.items():
+        if "pristine" not in group:
+            continue
         base = group["pristine"]["summary"]
         for variant in VARIANTS:
             if variant not in group:
@@ -283,7 +327,7 @@ def section_tables(jobs, gpu):
             t = s["time"]
             share = 100.0 * s["kept_elements"] / s["n_elements"] if s["n_elements"] else 0
             time_rows.append([
-                label, ws, variant, j["keep"], f"{s['fp32_params']} ({share:.2f} %)",
+                label, ws, stage, variant, j["keep"], f"{s['fp32_params']} ({share:.2f} %)",
                 f"{t['min'] * 1e3:.2f} / {t['median'] * 1e3:.2f} / {t['max'] * 1e3:.2f}",
                 fmt_ratio(ratio(t["median"], base["time"]["median"])),
                 fmt_ratio(ratio(t["min"], base["time"]["min"])), f"{s['cpu']['median'] * 1e3:.2f}",
@@ -291,7 +335,7 @@ def section_tables(jobs, gpu):
             ])
             if gpu:
                 mem_rows.append([
-                    label, ws, variant,
+                    label, ws, stage, variant,
                     mib(s["alloc_peak_sum"]),
                     mib(s["alloc_peak_max"]),
                     fmt_ratio(ratio(s["alloc_peak_sum"], base["alloc_peak_sum"])),
@@ -299,7 +343,7 @@ def section_tables(jobs, gpu):
                 ])
             else:
                 mem_rows.append([
-                    label, ws, variant,
+                    label, ws, stage, variant,
                     mib(s["peak_rss_sum"]),
                     mib(s["peak_rss_max"]),
                     fmt_ratio(ratio(s["peak_rss_sum"], base["peak_rss_sum"])),
@@ -307,21 +351,21 @@ def section_tables(jobs, gpu):
                     fmt_ratio(ratio(s["live_peak_sum"], base["live_peak_sum"])),
                     kib(s["optimizer_bytes_rank_mean"])
                 ])
-            comm_rows.append([label, ws, variant] + [fmt_count(s["comm"].get(k, 0)) for k in comm_keys])
-            logger_rows.append(
-                [label, ws, variant, ", ".join(f"{k} {v}" for k, v in sorted(s["comms_logger"].items())) or "-"])
+            comm_rows.append([label, ws, stage, variant] + [fmt_count(s["comm"].get(k, 0)) for k in comm_keys])
+            logger_rows.append([
+                label, ws, stage, variant, ", ".join(f"{k} {v}" for k, v in sorted(s["comms_logger"].items())) or "-"
+            ])
         if "series kept" in group and "series []" in group:
             kept, empty = group["series kept"]["summary"], group["series []"]["summary"]
-            theory = THEORY_BYTES_PER_ELEMENT * kept["kept_partition_elements"]
-            design = design_extra_bytes(kept)
+            theory = theoretical_extra(stage, kept)
+            design = design_extra_bytes(kept) if stage == "3" else None
             opt_extra = kept["optimizer_bytes_rank_mean"] - empty["optimizer_bytes_rank_mean"]
             row = [
-                label, ws, kept["kept_elements"], kept["kept_partition_elements"],
-                kib(theory),
-                kib(design),
+                label, ws, stage, kept["optimizer_class"], kept["kept_elements"], kept["kept_partition_elements"],
+                kib(theory), "-" if design is None else kib(design),
                 kib(opt_extra),
-                fmt_ratio(ratio(opt_extra, theory)),
-                "yes" if opt_extra == design else f"no ({opt_extra - design:+.0f} bytes)"
+                fmt_ratio(ratio(opt_extra, theory)), "-" if design is None else
+                ("yes" if opt_extra == design else f"no ({opt_extra - design:+.0f} bytes)")
             ]
             if gpu:
                 extra = (kept["alloc_peak_sum"] - empty["alloc_peak_sum"]) / ws
@@ -335,30 +379,31 @@ def section_tables(jobs, gpu):
                                  for k in comps if comps[k] != comps0.get(k, 0)) or "-")
             theory_rows.append(row)
     out["time"] = report.markdown_table([
-        "model", "world", "variant", "keep_in_fp32_modules", "fp32 params (share of elements)",
+        "model", "world", "stage", "variant", "keep_in_fp32_modules", "fp32 params (share of elements)",
         "step ms min / median / max", "median ratio to pristine", "min ratio to pristine",
         "CPU ms per step, all ranks (median)", "CPU ratio to pristine"
     ], time_rows)
     if gpu:
         out["memory"] = report.markdown_table([
-            "model", "world", "variant", "allocator peak, sum of ranks (MiB)", "max rank (MiB)", "ratio to pristine",
-            "ZeRO-3 optimizer state per rank (KiB)"
+            "model", "world", "stage", "variant", "allocator peak, sum of ranks (MiB)", "max rank (MiB)",
+            "ratio to pristine", "parameters and optimizer held per rank (KiB)"
         ], mem_rows)
     else:
         out["memory"] = report.markdown_table([
-            "model", "world", "variant", "peak RSS, sum of ranks (MiB)", "max rank (MiB)", "RSS ratio to pristine",
-            "live tensors at peak, sum of ranks (KiB)", "live tensors ratio", "ZeRO-3 optimizer state per rank (KiB)"
+            "model", "world", "stage", "variant", "peak RSS, sum of ranks (MiB)", "max rank (MiB)",
+            "RSS ratio to pristine", "live tensors at peak, sum of ranks (KiB)", "live tensors ratio",
+            "parameters and optimizer held per rank (KiB)"
         ], mem_rows)
     out["theory"] = report.markdown_table([
-        "model", "world", "kept elements", "kept elements per rank partition", "theoretical extra per rank (KiB)",
-        "extra by the series' design (KiB)",
-        "optimizer-held extra per rank (KiB)", "measured / theoretical", "optimizer-held = design",
+        "model", "world", "stage", "optimizer", "kept elements", "kept elements per rank partition",
+        "theoretical extra per rank (KiB)", "extra by the series' ZeRO-3 design (KiB)",
+        "held extra per rank: parameters and optimizer (KiB)", "measured / theoretical", "held = design",
         ("allocator peak" if gpu else "live-tensor peak") + " extra per rank (KiB)", "measured / theoretical",
-        "fp32 gradients in flight during backward, at most (KiB)", "optimizer extra by component (KiB per rank)"
+        "fp32 gradients in flight during backward, at most (KiB)", "held extra by component (KiB per rank)"
     ], theory_rows)
-    out["comm"] = report.markdown_table(["model", "world", "variant"] + [k.replace("|", " ") for k in comm_keys],
-                                        comm_rows)
-    out["logger"] = report.markdown_table(["model", "world", "variant", "comms logger, one step: op count"],
+    out["comm"] = report.markdown_table(["model", "world", "stage", "variant"] +
+                                        [k.replace("|", " ") for k in comm_keys], comm_rows)
+    out["logger"] = report.markdown_table(["model", "world", "stage", "variant", "comms logger, one step: op count"],
                                           logger_rows)
     return out
 
@@ -368,8 +413,8 @@ def comm_check(jobs):
     parameters. A fetch of partitions of both dtypes is one all-gather of their bytes (uint8) in place of the
     training dtype's; a reduce bucket of fp32 gradients is one fp32 reduce-scatter."""
     lines = []
-    for (label, ws), group in jobs.items():
-        if "series kept" not in group:
+    for (label, ws, stage), group in jobs.items():
+        if any(v not in group for v in VARIANTS) or not stage.startswith("3"):
             continue
         kept, empty, base = (group[v]["summary"]["comm"] for v in ("series kept", "series []", "pristine"))
         same_base = empty == base
@@ -382,7 +427,7 @@ def comm_check(jobs):
             for kind in ("all-gather", "reduce-scatter")
         } for c in (kept, empty))
         changes = ", ".join(f"{k.replace('|', ' ')} {v:+g}" for k, v in sorted(extra.items())) or "no change"
-        line = (f"- {label}, world size {ws}: series [] vs pristine: "
+        line = (f"- {label}, world size {ws}, stage {stage}: series [] vs pristine: "
                 f"{'identical counts' if same_base else 'DIFFERENT counts'}; kept vs []: {changes}: "
                 f"{fmt_count(total['all-gather'])} all-gathers for {fmt_count(total_empty['all-gather'])} fetches "
                 f"({fmt_count(kept.get('all-gather|uint8', 0))} of both dtypes, as bytes), "
@@ -397,12 +442,56 @@ def comm_check(jobs):
     return lines
 
 
+def extra_collectives(group):
+    """Collectives per step of `series kept` minus those of `series []` (all kinds and dtypes together)."""
+    if "series kept" not in group or "series []" not in group:
+        return float("nan")
+    kept, empty = (sum(group[v]["summary"]["comm"].values()) for v in ("series kept", "series []"))
+    return kept - empty
+
+
+def targets(model_jobs, share_jobs, compute_jobs, paired, stages):
+    """One line per stage and target: `[]` equals pristine (losses bitwise, same collectives), kept costs at most
+    3 % per step on the compute-bound model at world size 2 (paired), at most one extra collective per step."""
+    all_jobs = {**model_jobs, **share_jobs, **compute_jobs}
+    lines = [
+        "| stage | `[]` equals pristine: losses bitwise, same collectives (groups) | kept / [] on the compute-bound "
+        "model, world size 2, paired [95 % CI] (target <= 1.03) | extra collectives per step, kept - [] (target "
+        "<= 1), by group |", "|---|---|---|---|"
+    ]
+    for stage in stages:
+        groups = {key: g for key, g in all_jobs.items() if key[2] == stage}
+        same = [
+            g["series []"]["summary"]["loss_hex"] == g["pristine"]["summary"]["loss_hex"]
+            and g["series []"]["summary"]["comm"] == g["pristine"]["summary"]["comm"] for g in groups.values()
+            if "series []" in g and "pristine" in g
+        ]
+        equal = f"{'yes' if same and all(same) else 'NO'} ({sum(same)}/{len(same)})"
+        cost = "-"
+        for key, job in paired.items():
+            if key[2] == stage and key in compute_jobs:
+                r = job["summary"]
+                verdict = "yes" if r["median_step_ratio"] <= 1.03 else "NO"
+                cost = (f"{fmt_ratio(r['median_step_ratio'])} [{fmt_ratio(r['median_step_ratio_ci95'][0])}, "
+                        f"{fmt_ratio(r['median_step_ratio_ci95'][1])}]: {verdict}")
+        extras = [(key[0], key[1], extra_collectives(g)) for key, g in groups.items()]
+        extra = "; ".join(f"{label} ws {ws}: " +
+                          ("failed" if x != x else f"{fmt_count(x)}{'' if x <= 1 else ' (over)'}")
+                          for label, ws, x in extras)
+        lines.append(f"| {stage} | {equal} | {cost} | {extra or '-'} |")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few steps, world size 2, one share: a smoke run")
     parser.add_argument("--out", default=str(launch.ROOT / "out" / "bench"), help="folder for results.{json,md}")
     parser.add_argument("--workdir", default=None, help="folder for the jobs (default: OUT/jobs)")
-    parser.add_argument("--world-sizes", default=None, help="comma-separated (default 2,4; --quick: 2)")
+    parser.add_argument("--stages",
+                        default=",".join(configs.DEFAULT_STAGES),
+                        help="comma-separated, of %s (default: %%(default)s); also %s" %
+                        (", ".join(configs.STAGES), ", ".join(configs.MORE_STAGES)))
+    parser.add_argument("--world-sizes", default="2", help="comma-separated (default: %(default)s)")
     parser.add_argument("--models", default="deepseek_v4,gpt_oss")
     parser.add_argument("--shares",
                         default=None,
@@ -414,6 +503,11 @@ def main():
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--synthetic-dim", type=int, default=256)
     parser.add_argument("--synthetic-layers", type=int, default=4)
+    parser.add_argument("--compute-dim",
+                        type=int,
+                        default=None,
+                        help="width of the compute-bound synthetic model (1 %% listed, world size 2; default 1024, "
+                        "--quick: 0; 0: none)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--no-paired",
                         action="store_true",
@@ -427,8 +521,10 @@ def main():
                         default=1,
                         help="run each row group's three variants this many times, interleaved; step times pooled")
     args = parser.parse_args()
-    if args.world_sizes is None:
-        args.world_sizes = "2" if args.quick else "2,4"
+    args.stages = configs.parse_stages(args.stages)
+    args.failures = []
+    if args.compute_dim is None:
+        args.compute_dim = 0 if args.quick else 1024
     if args.shares is None:
         args.shares = "0.01" if args.quick else "0.001,0.01,0.1"
     args.world_sizes = [int(w) for w in args.world_sizes.split(",") if w]
@@ -462,30 +558,36 @@ def main():
     for n in notes:
         print(f"note: {n}")
 
-    model_jobs = {}
+    model_jobs, share_jobs, compute_jobs, paired = {}, {}, {}, {}
+    ws2 = 2 if 2 in args.world_sizes else args.world_sizes[0]
+    # (key, model, world size, what the ranks need, job folder name) of each row group
+    groups = {"models": [], "shares": [], "compute": []}
     for model in hf_models:
         model_dir = models.save_hf_model(model, Path(args.workdir) / "models" / model, seed=args.seed)
         for ws in args.world_sizes:
-            model_jobs[(MODEL_LABELS[model], ws)] = run_group(args, model, ws, {"model_dir": str(model_dir)}, model)
-    share_jobs = {}
+            groups["models"].append((MODEL_LABELS[model], model, ws, {"model_dir": str(model_dir)}, model))
     for share in args.shares:
         keep = models.keep_elements_for_share(share, args.synthetic_dim, args.synthetic_layers)
         extra = dict(dim=args.synthetic_dim, layers=args.synthetic_layers, keep_per_block=keep)
-        ws = 2 if 2 in args.world_sizes else args.world_sizes[0]
-        share_jobs[(f"synthetic, {100 * share:g} % listed", ws)] = run_group(args, "tiny_net", ws, extra,
-                                                                             f"synthetic_{share:g}")
-    # Paired timing at one world size: [] and kept in the same processes, alternating steps.
-    paired = {}
-    if not args.no_paired:
-        ws = 2 if 2 in args.world_sizes else args.world_sizes[0]
-        for model in hf_models:
-            model_dir = Path(args.workdir) / "models" / model
-            paired[(MODEL_LABELS[model], ws)] = run_paired(args, model, ws, {"model_dir": str(model_dir)}, model)
-        for share in args.shares:
-            keep = models.keep_elements_for_share(share, args.synthetic_dim, args.synthetic_layers)
-            extra = dict(dim=args.synthetic_dim, layers=args.synthetic_layers, keep_per_block=keep)
-            paired[(f"synthetic, {100 * share:g} % listed", ws)] = run_paired(args, "tiny_net", ws, extra,
-                                                                              f"synthetic_{share:g}")
+        groups["shares"].append(
+            (f"synthetic, {100 * share:g} % listed", "tiny_net", ws2, extra, f"synthetic_{share:g}"))
+    if args.compute_dim:
+        keep = models.keep_elements_for_share(0.01, args.compute_dim, args.synthetic_layers)
+        extra = dict(dim=args.compute_dim, layers=args.synthetic_layers, keep_per_block=keep)
+        groups["compute"].append((f"synthetic hidden {args.compute_dim}, 1 % listed", "tiny_net", 2, extra,
+                                  f"synthetic_{args.compute_dim}"))
+    for stage in args.stages:
+        for kind, jobs in (("models", model_jobs), ("shares", share_jobs), ("compute", compute_jobs)):
+            for label, model, ws, extra, name in groups[kind]:
+                jobs[(label, ws, stage)] = run_group(args, model, ws, extra, name, stage)
+        # Paired timing at one world size: [] and kept in the same processes, alternating steps.
+        if not args.no_paired:
+            for label, model, ws, extra, name in groups["models"] + groups["shares"] + groups["compute"]:
+                if ws == ws2 and (label, ws, stage) not in paired:
+                    try:
+                        paired[(label, ws, stage)] = run_paired(args, model, ws, extra, name, stage)
+                    except RuntimeError as err:
+                        failed(args, f"stage {stage}, {label}, world size {ws}, paired", err)
 
     elapsed = time.time() - started
     series_end = launch.dev_tree_state()
@@ -493,18 +595,20 @@ def main():
         notes.append(f"The dev tree changed during the run ({series} -> {series_end}): the series rows may mix two "
                      "versions; rerun for clean numbers.")
     md = [
-        "# keep_in_fp32_modules under ZeRO-3: cost against pristine DeepSpeed 0.19.8", "", f"Command: `{command}`  ",
-        f"Machine: {report.machine_line(machine)}  ",
+        "# keep_in_fp32_modules in every ZeRO stage: cost against pristine DeepSpeed 0.19.8", "",
+        f"Command: `{command}`  ", f"Machine: {report.machine_line(machine)}  ",
         f"Series: the dev tree `build/deepspeed` at {series}; pristine: DeepSpeed 0.19.8 from `build/pristine`  ",
         f"Device: {'CUDA GPU, NCCL, allocator peak' if gpu else 'CPU (DS_ACCELERATOR=cpu), gloo, peak RSS'}  ",
         f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}; the whole run took {elapsed / 60:.1f} min",
-        "", f"Each row: ZeRO-3, {'bf16' if args.gpt_oss_mode == 'list' else 'bf16 (gpt-oss: fp16)'}, AdamW, gradient "
-        f"clipping 1.0, micro batch {args.micro_batch} x {args.seq} tokens per rank, "
-        f"stage3_param_persistence_threshold 0 (every parameter is fetched), reduce and prefetch buckets of 50,000 "
-        f"elements; {args.warmup} warm-up steps, then {args.steps} timed steps"
+        "", "Stages: " + "; ".join(f"`{st}`: {configs.STAGES.get(st) or configs.MORE_STAGES[st]}"
+                                   for st in args.stages) + ".", "",
+        f"Each row: {'bf16' if args.gpt_oss_mode == 'list' else 'bf16 (gpt-oss: fp16)'}, AdamW (torch), gradient "
+        f"clipping 1.0, micro batch {args.micro_batch} x {args.seq} tokens per rank; ZeRO-1/2: reduce and all-gather "
+        "buckets of 50,000 elements; ZeRO-3: stage3_param_persistence_threshold 0 (every parameter is fetched), "
+        f"reduce and prefetch buckets of 50,000 elements; {args.warmup} warm-up steps, then {args.steps} timed steps"
         f"{f', in each of {args.rounds} interleaved rounds (pooled)' if args.rounds > 1 else ''}; a step's time is "
         "its slowest rank's. "
-        "One subprocess per rank. The variants: `pristine` = DeepSpeed 0.19.8 with its default config; "
+        "One process per rank (torchrun). The variants: `pristine` = DeepSpeed 0.19.8 with its default config; "
         "`series []` = the patch series with `keep_in_fp32_modules: []`; `series kept` = the series keeping the "
         "listed parameters in fp32, with: " + "; ".join(f"{MODEL_LABELS[m]}: {kept_description(m, args.gpt_oss_mode)}"
                                                         for m in hf_models + ["tiny_net"]) + ".", ""
@@ -520,7 +624,8 @@ def main():
         "notes": notes,
         "jobs": []
     }
-    for title, jobs in (("Models", model_jobs), ("Listed share (synthetic model)", share_jobs)):
+    for title, jobs in (("Models", model_jobs), ("Listed share (synthetic model)", share_jobs),
+                        ("Compute-bound (synthetic model, hidden %d)" % args.compute_dim, compute_jobs)):
         if not jobs:
             continue
         tables = section_tables(jobs, gpu)
@@ -528,17 +633,23 @@ def main():
         md += ["### Peak memory", "", tables["memory"], ""]
         md += [
             "### Memory against the theoretical extra", "",
-            f"Theoretical extra per rank: {THEORY_BYTES_PER_ELEMENT} bytes per kept element of the rank's partition "
-            "(2 more in the parameter partition, fp32 instead of bf16, and 2 more in the gradient partition). "
-            "Measured: `series kept` minus `series []`, per rank; the optimizer-held bytes count each storage the "
-            "ZeRO-3 optimizer holds once (parameter and gradient partitions, fp32 masters, reduce buckets, optimizer "
-            "states); " + ("the allocator peak is the GPU allocator's." if gpu else
-                           "the live-tensor peak is a census of all tensor storages Python reaches, during backward "
-                           "(each time a gradient is about to enter its reduce bucket), after backward and after the "
-                           "step of one measured step (peak RSS is too coarse for a few KiB)."), "",
-            "The series' design (stage3.py): the fp32 sub-groups need no fp32 master copy (-4 bytes per kept "
+            "Theoretical extra per rank (the issue's accounting; `theoretical_extra` in run.py): a kept element's "
+            "parameter and gradient take 4 bytes instead of 2 where the stage holds them, its fp32 master and Adam "
+            "states are as large as before. Parameters: +2 bytes per kept element under ZeRO-0/1/2 (full parameters "
+            "on every rank), +2 per element of the rank's partition under ZeRO-3 (CPU memory with offload_param). "
+            "Gradients: +2 per kept element under ZeRO-0/1 (full gradients until the step), +2 per partition element "
+            "under ZeRO-2/3, none where every gradient is already fp32 (the BF16 optimizer, offload_optimizer). "
+            "A design that makes the fp32 parameter its own master saves 4 bytes per master element. "
+            "Measured: `series kept` minus `series []`, per rank; the held bytes count each storage once: the "
+            "parameters (ZeRO-3: their partitions), the torch optimizer's states, then every buffer of DeepSpeed's "
+            "optimizer wrapper, by attribute name (`counters.held_bytes`); " +
+            ("the allocator peak is the GPU allocator's."
+             if gpu else "the live-tensor peak is a census of all tensor storages Python reaches, during backward "
+             "(ZeRO-1/2/3: each time a gradient is about to enter its reduce bucket), after backward and after the "
+             "step of one measured step (peak RSS is too coarse for a few KiB)."), "",
+            "ZeRO-3, the series' design (stage3.py): the fp32 sub-groups need no fp32 master copy (-4 bytes per kept "
             "partition element), which pays for the 2 + 2 more bytes of their parameter and gradient partitions, so "
-            "`extra by the series' design` = (2 + 2 - 4) x partition elements = 0, and `optimizer-held = design` "
+            "`extra by the series' ZeRO-3 design` = (2 + 2 - 4) x partition elements = 0, and `held = design` "
             "checks it to the byte. Their reduce bucket holds no buffer of its own: during backward, their full fp32 "
             "gradients wait for their bucket's reduction in the tensors autograd made, at most 4 bytes per kept "
             "element of the full size (the `in flight` column), and are freed once reduce-scattered into the fp32 "
@@ -552,7 +663,7 @@ def main():
         ]
         md += comm_check(jobs) + [""]
         md += ["DeepSpeed's comms logger (by op name, no dtype), one extra step:", "", tables["logger"], ""]
-        for (label, ws), group in jobs.items():
+        for (label, ws, stage), group in jobs.items():
             for variant, job in group.items():
                 job_rec = {k: v for k, v in job.items() if k not in ("ranks", "rounds")}
                 job_rec["label"] = label
@@ -571,10 +682,13 @@ def main():
             f"{args.paired_steps} timed steps per engine; the interval is a bootstrap over the step pairs.", "",
             paired_table(paired), ""
         ]
-        for (label, ws), job in paired.items():
+        for (label, ws, stage), job in paired.items():
             rec = {k: v for k, v in job.items()}
             rec["label"] = label
             results["jobs"].append(rec)
+    md += ["## Targets", ""] + targets(model_jobs, share_jobs, compute_jobs, paired, args.stages) + [""]
+    if args.failures:
+        md += ["## Jobs that failed (left out of the tables)", ""] + [f"- {f}" for f in args.failures] + [""]
     (out / "results.md").write_text("\n".join(md) + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print("\n".join(md))

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from counters import (CommCounter, current_rss_bytes, live_tensor_bytes, optimizer_state_bytes, peak_rss_bytes)
+from counters import CommCounter, current_rss_bytes, held_bytes, live_tensor_bytes, peak_rss_bytes
 from launch import DEV_TREE, PRISTINE
 from models import HF_MODELS, VOCAB, make_tiny_net, tiny_hf_models
 
@@ -39,7 +39,7 @@ def _exit_with_parent():
 
 
 def build_engine(spec, config):
-    """The model of ``spec`` (seeded; HF models loaded under zero.Init) wrapped by deepspeed.initialize."""
+    """The model of ``spec`` (seeded; under ZeRO-3 built or loaded under zero.Init) wrapped by deepspeed.initialize."""
     import torch
     import deepspeed
     # "fp32" and "autocast" (torch autocast, no bf16/fp16 section) train fp32 weights
@@ -47,13 +47,13 @@ def build_engine(spec, config):
     torch.manual_seed(spec["seed"])
     if spec["model"] in HF_MODELS:
         from transformers.integrations import HfDeepSpeedConfig
-        hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841  (zero.Init while from_pretrained runs)
+        hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841  (ZeRO-3: zero.Init while from_pretrained runs)
         model = tiny_hf_models.model_class(spec["model"]).from_pretrained(spec["model_dir"], dtype=train_dtype)
 
         def loss_fn(engine, ids):
             return engine(input_ids=ids, labels=ids).loss
     else:
-        with deepspeed.zero.Init(config_dict_or_path=config):
+        with deepspeed.zero.Init(config_dict_or_path=config, enabled=config["zero_optimization"]["stage"] == 3):
             model = make_tiny_net(spec["dim"], spec["layers"], spec["keep_per_block"])
 
         def loss_fn(engine, ids):
@@ -107,6 +107,47 @@ def _paired_main(spec, rank, job_dir, device):
     dist.barrier()
 
 
+def _numel(p):
+    """A parameter's full number of elements (ZeRO-3 keeps only a partition in ``p``)."""
+    return getattr(p, "ds_numel", p.numel())
+
+
+def _partition_numel(p, stage, world_size):
+    """The elements of a parameter that one rank's partitions hold (ZeRO-1/2: its share of the flat partition)."""
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor.numel()
+    return p.numel() if stage == 0 else -(-p.numel() // world_size)
+
+
+def _masters(engine):
+    """The fp32 master of each parameter, by parameter id, where ``safe_get_full_fp32_param`` finds none: the fp32
+    copies of the engine's fp16/bf16 optimizer (no ZeRO), or the parameter itself (fp32, no wrapper)."""
+    opt = engine.optimizer
+    masters = {}
+    for low, high in zip(getattr(opt, "fp16_groups", []) or [], getattr(opt, "fp32_groups", []) or []):
+        if isinstance(low, (list, tuple)) and isinstance(high, (list, tuple)):
+            masters.update((id(a), b) for a, b in zip(low, high))
+    return masters
+
+
+def dump_params(engine, params, path, rank):
+    """Every parameter twice, into ``path`` (rank 0): its fp32 master and its full value in the dtype it trains in."""
+    import torch
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    by_id = _masters(engine)
+    masters, gathered = {}, {}
+    for name, p in params:
+        master = safe_get_full_fp32_param(p)
+        if master is None:
+            master = by_id.get(id(p), p)
+        masters[name] = master.detach().cpu().clone()
+        with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+            gathered[name] = p.data.detach().cpu().clone()
+    if rank == 0:
+        torch.save({"master": masters, "gathered": gathered}, path)
+
+
 def _log_to_file(path):
     """Send this process's output (Python's and the C++ libraries') to ``path``."""
     sys.stdout.flush()
@@ -158,11 +199,12 @@ def worker_main(spec_path):
 
     engine, loss_fn = build_engine(spec, config)
     zero_opt = engine.optimizer
+    stage = config["zero_optimization"]["stage"]
 
     params = list(engine.module.named_parameters())
     fp32_params = [(n, p) for n, p in params if p.dtype == torch.float32]
-    kept_partition_elements = sum(p.ds_tensor.numel() for _, p in fp32_params)
-    kept_elements = sum(p.ds_numel for _, p in fp32_params)
+    kept_partition_elements = sum(_partition_numel(p, stage, world_size) for _, p in fp32_params)
+    kept_elements = sum(_numel(p) for _, p in fp32_params)
 
     counter = CommCounter()
     gen = torch.Generator().manual_seed(spec["seed"] * 1000 + rank)
@@ -210,7 +252,8 @@ def worker_main(spec_path):
             for k, v in comm.items()
         },
         "n_params": len(params),
-        "n_elements": sum(p.ds_numel for _, p in params),
+        "n_elements": sum(_numel(p) for _, p in params),
+        "optimizer_class": type(zero_opt).__name__,
         "fp32_params": [n for n, _ in fp32_params],
         "kept_elements": kept_elements,
         "kept_partition_elements": kept_partition_elements,
@@ -224,20 +267,21 @@ def worker_main(spec_path):
         ids = batches[total_steps].to(device)
         loss = loss_fn(engine, ids)
         backward_peak = 0
-        if device_type == "cpu":
-            # During backward too: a census each time a gradient is about to enter its reduce bucket, when the
-            # gradients that wait for their bucket's reduction are all alive.
-            reduce_grad = zero_opt.reduce_independent_p_g_buckets_and_remove_grads
+        reduce_grad = getattr(zero_opt, "reduce_independent_p_g_buckets_and_remove_grads", None)
+        if device_type == "cpu" and reduce_grad is not None:
+            # During backward too (ZeRO-1/2/3): a census each time a gradient is about to enter its reduce bucket,
+            # when the gradients that wait for their bucket's reduction are all alive.
 
-            def census_then_reduce(param):
+            def census_then_reduce(*args, **kwargs):
                 nonlocal backward_peak
                 backward_peak = max(backward_peak, live_tensor_bytes("cpu"))
-                return reduce_grad(param)
+                return reduce_grad(*args, **kwargs)
 
             zero_opt.reduce_independent_p_g_buckets_and_remove_grads = census_then_reduce
         engine.backward(loss)
-        if device_type == "cpu":
+        if device_type == "cpu" and reduce_grad is not None:
             del zero_opt.reduce_independent_p_g_buckets_and_remove_grads
+        if device_type == "cpu":
             result["live_tensor_backward_peak_bytes"] = backward_peak
             live_peak = max(live_peak, backward_peak, live_tensor_bytes("cpu"))
         engine.step()
@@ -253,19 +297,12 @@ def worker_main(spec_path):
         else:
             result["allocated_bytes"] = acc.memory_allocated()
             result["allocator_peak_bytes"] = acc.max_memory_allocated()
-        result["optimizer_bytes"] = optimizer_state_bytes(zero_opt)
+        result["optimizer_bytes"] = held_bytes(engine)
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["rss_bytes"] = current_rss_bytes()
 
     if spec.get("dump_params"):
-        from deepspeed.utils import safe_get_full_fp32_param
-        masters, gathered = {}, {}
-        for name, p in params:
-            masters[name] = safe_get_full_fp32_param(p).detach().cpu().clone()
-            with deepspeed.zero.GatheredParameters([p]):
-                gathered[name] = p.data.detach().cpu().clone()
-        if rank == 0:
-            torch.save({"master": masters, "gathered": gathered}, job_dir / "params.pt")
+        dump_params(engine, params, job_dir / "params.pt", rank)
 
     dist.barrier()
     (job_dir / f"rank{rank}.json").write_text(json.dumps(result))

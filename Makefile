@@ -6,7 +6,7 @@ export DS_ACCELERATOR ?= cpu
 # A tag for the wheel's version: deepspeed-0.19.8+$(TAG).
 TAG ?= keepfp32
 
-.PHONY: setup refresh check test test-pristine wheel demo bench study clean
+.PHONY: setup refresh check test test-all test-pristine wheel demo bench study clean
 
 setup:
 	@tools/setup
@@ -19,6 +19,9 @@ check:
 
 test: setup
 	@tools/test $(ARGS)
+
+test-all: setup
+	@tools/test --all $(ARGS)
 
 test-pristine: setup
 	@tools/test --pristine $(ARGS)

@@ -3,13 +3,15 @@
 
 # DeepSpeed Team
 """No regression, shown: the series with nothing kept in fp32 trains bit for bit like pristine DeepSpeed 0.19.8,
-in every precision DeepSpeed trains ZeRO-3 in.
+in every ZeRO stage (0, 1, 2, 3, 3 with parameter and optimizer offload) and every precision it trains in.
 
 Runs each case twice, side by side, with the same weights, data and config: once with pristine DeepSpeed 0.19.8
 (``PYTHONPATH=build/pristine``, unpacked from the sdist ``make setup`` cached on first use) and once with the
-patched dev tree (the venv's editable install). Each run is ``--steps`` ZeRO-3 training steps (AdamW, gradient
-clipping) with ``--world-size`` ranks, one subprocess per rank (gloo on the CPU, NCCL on CUDA), in each precision
-of ``--precisions`` (default all four):
+patched dev tree (the venv's editable install). Each run is ``--steps`` training steps (torch AdamW, gradient
+clipping) with ``--world-size`` ranks, one process per rank (torchrun; gloo on the CPU, NCCL on CUDA), in each
+stage of ``--stages`` (configs.py: ``0`` no ZeRO, the engine's fp16/bf16 optimizer (fp16: the unfused one, with
+torch Adam); ``1``, ``2``; ``3``; ``3-offload``: ``offload_param`` and ``offload_optimizer`` to the CPU; also
+``1-bf16opt``, ``2-offload``, ``3-offload-param``) and each precision of ``--precisions`` (default all four):
 
 * ``bf16``: ``"bf16": {"enabled": true}``, bf16 weights and fp32 masters;
 * ``fp16``: ``"fp16": {"enabled": true}`` with dynamic loss scaling (initial scale 2^8, window 100); on a CPU
@@ -19,29 +21,32 @@ of ``--precisions`` (default all four):
 * ``autocast``: no bf16/fp16 section, ``"torch_autocast": {"enabled": true, "dtype": "bfloat16"}``: fp32 weights,
   forward under ``torch.autocast`` (the Linear layers' parameters communicated in bf16).
 
-The cases, in each precision:
+A stage and precision that pristine 0.19.8 itself cannot run (its job fails) is reported as not supported and not
+compared. The cases, in each stage and precision:
 
-* tiny DeepSeek-V4 (random init, seeded, ``save_pretrained`` once, ``from_pretrained`` under ``HfDeepSpeedConfig``
-  so that ``zero.Init`` runs), ``data_types.keep_in_fp32_modules: []``;
+* tiny DeepSeek-V4 (random init, seeded, ``save_pretrained`` once, ``from_pretrained`` under ``HfDeepSpeedConfig``,
+  so that ``zero.Init`` runs under ZeRO-3), ``data_types.keep_in_fp32_modules: []``;
 * a small plain torch model that lists nothing, ``keep_in_fp32_modules`` left at its default (``"auto"``);
 
-and once, in bf16 (fp16 if bf16 is not among ``--precisions``; neither: no control), a control that is not part of
-the verdict (``--no-control`` skips it): the tiny DeepSeek-V4 with the default ``"auto"``, where the series keeps
-its 32 listed parameters in fp32 and must differ from pristine; it shows the comparison can see a difference.
+and once, in bf16 (fp16 if bf16 is not among ``--precisions``; neither: no control) at stage 3 (or the first of
+``--stages``), a control that is not part of the verdict (``--no-control`` skips it): the tiny DeepSeek-V4 with the
+default ``"auto"``, where the series keeps its 32 listed parameters in fp32 and must differ from pristine; it shows
+the comparison can see a difference.
 
 Recorded: every step's loss on every rank, and after the last step every parameter twice: its fp32 master
-(``safe_get_full_fp32_param``) and its gathered training-dtype value (``zero.GatheredParameters``). Compared
-bitwise. In fp32 and under autocast, comparing the masters bitwise covers whether the series' master is a separate
-copy or the partition itself only through the values it ends with. Exit status 1 if a case other than the control
-differs, 2 if a run fails.
+(``safe_get_full_fp32_param``; without ZeRO, the fp32 copy of the engine's fp16/bf16 optimizer, or the parameter
+itself in fp32) and its full training-dtype value (``zero.GatheredParameters`` under ZeRO-3). Compared bitwise.
+In fp32 and under autocast, comparing the masters bitwise covers whether the series' master is a separate copy or
+the partition itself only through the values it ends with. Exit status 1 if a case other than the control
+differs, 2 if a run of the series fails.
 
-The default run is 18 jobs (8 cases and the control, each with both builds); most of a job's time is starting its
-ranks, so each run is 10 steps (``--steps``; the bf16-only comparison used to run 20). The default run takes about
-4.7 CPU-minutes: about 3 to 4 minutes of wall time on 2 idle cores (estimated from that), 8.5 minutes measured on 2
-cores shared with other test suites (load average about 7).
+Most of a job's time is starting its ranks, so each run is 10 steps (``--steps``). One stage is 16 jobs (8 cases,
+each with both builds), about 12 s each on 2 idle cores: ``--stages 3`` (the former default) took 3-4 minutes
+there; the default, five stages and the control, is 82 jobs: about 16-20 minutes on 2 idle cores (estimated from
+that; not measured on an idle machine).
 
-    .venv/bin/python benchmarks/compare_pristine.py                         # all four precisions
-    .venv/bin/python benchmarks/compare_pristine.py --precisions fp32,autocast
+    .venv/bin/python benchmarks/compare_pristine.py                         # five stages, four precisions
+    .venv/bin/python benchmarks/compare_pristine.py --stages 3 --precisions fp32,autocast
 """
 
 import argparse
@@ -71,19 +76,6 @@ CASES = [
     ("torch model listing nothing, default (\"auto\")", "tiny_net", configs.UNSET, False),
 ]
 CONTROL = ("control: DeepSeek-V4 (tiny), default (\"auto\")", "deepseek_v4", configs.UNSET, True)
-
-
-def precision_config(precision, world_size, keep):
-    """The ZeRO-3 config of configs.ds_config in the given precision."""
-    if precision in ("bf16", "fp16"):
-        return configs.ds_config(4, world_size, keep=keep, dtype=precision)
-    config = configs.ds_config(4, world_size, keep=keep, dtype="bf16")
-    del config["bf16"]
-    if precision == "autocast":
-        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
-    elif precision != "fp32":
-        raise ValueError(precision)
-    return config
 
 
 def parse_precisions(text):
@@ -135,6 +127,12 @@ def compare_runs(pristine, patched, params_pristine, params_patched):
     return out
 
 
+def _last_error(text):
+    """The last line of a failed job's logs that names an error."""
+    lines = [line.strip() for line in text.splitlines() if "Error" in line or "error" in line]
+    return (lines[-1] if lines else text.strip().splitlines()[-1])[:300]
+
+
 def fmt_diff(x):
     return "0" if x == 0 else f"{x:.3g}"
 
@@ -156,12 +154,17 @@ def main():
                         type=parse_precisions,
                         default=list(PRECISIONS),
                         help=f"comma-separated, of {','.join(PRECISIONS)} (default: all four)")
+    parser.add_argument("--stages",
+                        default=",".join(configs.DEFAULT_STAGES),
+                        help="comma-separated, of %s (default: %%(default)s); also %s" %
+                        (", ".join(configs.STAGES), ", ".join(configs.MORE_STAGES)))
     parser.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--workdir", default=str(launch.ROOT / "out" / "compare_pristine"))
     parser.add_argument("--no-control", action="store_true", help="skip the control case")
     args = parser.parse_args()
+    args.stages = configs.parse_stages(args.stages)
     import torch
 
     workdir = Path(args.workdir)
@@ -172,22 +175,26 @@ def main():
     print(f"machine: {report.machine_line(machine)}")
     series = launch.dev_tree_state()
     print(f"series: build/deepspeed at {series}")
-    print(f"runs: {args.steps} ZeRO-3 steps, world size {args.world_size}, AdamW lr 1e-3, gradient clipping 1.0, "
-          f"micro batch 4 x 16 tokens, stage3_param_persistence_threshold 0; one subprocess per rank")
+    print(f"runs: {args.steps} steps, world size {args.world_size}, AdamW lr 1e-3 (torch), gradient clipping 1.0, "
+          f"micro batch 4 x 16 tokens; ZeRO-1/2: buckets of 50,000 elements; ZeRO-3: "
+          f"stage3_param_persistence_threshold 0; one process per rank (torchrun)")
+    print("stages: " + "; ".join(f"{s} ({configs.STAGES.get(s) or configs.MORE_STAGES[s]})" for s in args.stages))
     print("precisions: " + "; ".join(f"{p} ({PRECISIONS[p]})" for p in args.precisions))
 
-    jobs = [(precision, case) for precision in args.precisions for case in CASES]
+    jobs = [(stage, precision, case) for stage in args.stages for precision in args.precisions for case in CASES]
     control_precision = next((p for p in ("bf16", "fp16") if p in args.precisions), None)
+    control_stage = "3" if "3" in args.stages else args.stages[0]
     if not args.no_control and control_precision:
-        jobs.append((control_precision, CONTROL))
+        jobs.append((control_stage, control_precision, CONTROL))
     elif not args.no_control:
         print("control: skipped (it needs bf16 or fp16 among --precisions)")
     print()
 
     run_start = time.time()
     model_dir = models.save_hf_model("deepseek_v4", workdir / "models" / "deepseek_v4", seed=args.seed)
-    results, failed = [], []
-    for precision, (name, model, keep, control) in jobs:
+    results, failed, unsupported = [], [], []
+    for stage, precision, (name, model, keep, control) in jobs:
+        tag = f"[stage {stage}, {precision}]"
         spec = dict(model=model,
                     model_dir=str(model_dir),
                     dim=64,
@@ -199,10 +206,10 @@ def main():
                     seed=args.seed,
                     warmup=0,
                     steps=args.steps,
-                    config=precision_config(precision, args.world_size, keep),
+                    config=configs.ds_config(4, args.world_size, keep=keep, dtype=precision, stage=stage),
                     dump_params=True)
         runs, params = {}, {}
-        slug = f"{precision}/{model}_{'default' if keep == configs.UNSET else 'empty'}"
+        slug = f"zero{stage}/{precision}/{model}_{'default' if keep == configs.UNSET else 'empty'}"
         start = time.time()
         try:
             for build in launch.BUILDS:
@@ -210,11 +217,18 @@ def main():
                 runs[build] = launch.launch(spec, build, args.world_size, job)
                 params[build] = torch.load(job / "params.pt")
         except RuntimeError as err:
-            print(f"[{precision}] {name}: FAILED\n{err}")
-            failed.append(f"[{precision}] {name}")
+            if "pristine" not in runs:
+                # pristine 0.19.8 does not run this stage in this precision: nothing to compare with
+                reason = _last_error(str(err))
+                print(f"{tag} {name}: not supported by pristine 0.19.8 ({reason})", flush=True)
+                unsupported.append({"stage": stage, "precision": precision, "name": name, "reason": reason})
+                continue
+            print(f"{tag} {name}: FAILED\n{err}")
+            failed.append(f"{tag} {name}")
             continue
         cmp = compare_runs(runs["pristine"], runs["patched"], params["pristine"], params["patched"])
         cmp.update(name=name,
+                   stage=stage,
                    precision=precision,
                    keep=configs.describe_keep(keep),
                    control=control,
@@ -227,8 +241,7 @@ def main():
                               for b in launch.BUILDS})
         cmp["identical"] = (cmp["same_steps"] == cmp["steps"] and cmp["master"]["same"] == cmp["master"]["tensors"]
                             and cmp["gathered"]["same"] == cmp["gathered"]["tensors"])
-        print(f"[{precision}] {name}: {'IDENTICAL' if cmp['identical'] else 'DIFFERENT'} ({cmp['seconds']} s)",
-              flush=True)
+        print(f"{tag} {name}: {'IDENTICAL' if cmp['identical'] else 'DIFFERENT'} ({cmp['seconds']} s)", flush=True)
         results.append(cmp)
     seconds = round(time.time() - run_start, 1)
     print()
@@ -238,15 +251,16 @@ def main():
         m, g = r["master"], r["gathered"]
         yes = lambda ok: "yes" if ok else "no"  # noqa: E731
         rows.append([
-            r["precision"], r["name"], f"{yes(r['same_steps'] == r['steps'])} ({r['same_steps']}/{r['steps']})",
+            r["stage"], r["precision"], r["name"],
+            f"{yes(r['same_steps'] == r['steps'])} ({r['same_steps']}/{r['steps']})",
             fmt_diff(r["loss_max_abs_diff"]), f"{yes(m['same'] == m['tensors'])} ({m['same']}/{m['tensors']})",
             fmt_diff(m["max_abs_diff"]), f"{yes(g['same'] == g['tensors'])} ({g['same']}/{g['tensors']})",
             fmt_diff(g["max_abs_diff"]), f"{r['fp32_params']['pristine']} / {r['fp32_params']['patched']}",
             "IDENTICAL" if r["identical"] else "DIFFERENT"
         ])
     header = [
-        "precision", "case (pristine 0.19.8 vs series)", "losses identical", "max diff", "fp32 masters identical",
-        "max diff", "gathered params identical", "max diff", "fp32 params", "verdict"
+        "stage", "precision", "case (pristine 0.19.8 vs series)", "losses identical", "max diff",
+        "fp32 masters identical", "max diff", "gathered params identical", "max diff", "fp32 params", "verdict"
     ]
     print(report.text_table(header, rows))
     print("(identical = bitwise; fp32 params = parameters stored in fp32, pristine / series: all of them in fp32 "
@@ -255,7 +269,7 @@ def main():
         verdict = "IDENTICAL" if r["identical"] else "DIFFERENT"
         if r["control"]:
             verdict += " (control: expected DIFFERENT)" + ("" if not r["identical"] else " -- UNEXPECTED")
-        print(f"[{r['precision']}] {r['name']}: {verdict}")
+        print(f"[stage {r['stage']}, {r['precision']}] {r['name']}: {verdict}")
         print(f"  losses bitwise identical: {'yes' if r['same_steps'] == r['steps'] else 'no'} "
               f"({r['same_steps']}/{r['steps']} steps, all {args.world_size} ranks), "
               f"max abs diff {fmt_diff(r['loss_max_abs_diff'])}")
@@ -284,7 +298,9 @@ def main():
                 "machine": machine,
                 "series": series,
                 "series_end": series_end,
+                "stages": args.stages,
                 "precisions": args.precisions,
+                "unsupported": unsupported,
                 "steps": args.steps,
                 "seconds": seconds,
                 "failed": failed,
@@ -292,17 +308,22 @@ def main():
             },
             indent=1))
     print(f"\nresults: {workdir / 'results.json'} ({seconds} s in all)")
-    verdicts = []
-    for precision in args.precisions:
-        cases = [r for r in results if r["precision"] == precision and not r["control"]]
-        if any(f.startswith(f"[{precision}]") for f in failed):
-            state = "a run FAILED"
-        elif all(r["identical"] for r in cases):
-            state = "identical"
-        else:
-            state = "DIFFERENT: " + ", ".join(r["name"] for r in cases if not r["identical"])
-        verdicts.append(f"{precision}: {state}")
-    print("per precision: " + "; ".join(verdicts))
+    for stage in args.stages:
+        verdicts = []
+        for precision in args.precisions:
+            tag = f"[stage {stage}, {precision}]"
+            cases = [r for r in results if r["stage"] == stage and r["precision"] == precision and not r["control"]]
+            skipped = [u for u in unsupported if u["stage"] == stage and u["precision"] == precision]
+            if any(f.startswith(tag) for f in failed):
+                state = "a run FAILED"
+            elif not cases and skipped:
+                state = "not supported by 0.19.8"
+            elif all(r["identical"] for r in cases):
+                state = "identical" + (f" ({len(skipped)} case(s) not supported by 0.19.8)" if skipped else "")
+            else:
+                state = "DIFFERENT: " + ", ".join(r["name"] for r in cases if not r["identical"])
+            verdicts.append(f"{precision}: {state}")
+        print(f"stage {stage}: " + "; ".join(verdicts))
     regressions = [r for r in results if not r["control"] and not r["identical"]]
     if failed:
         print(f"verdict: {len(failed)} run(s) FAILED")
@@ -311,7 +332,7 @@ def main():
         print(f"verdict: {len(regressions)} case(s) DIFFER from pristine 0.19.8")
         return 1
     print(f"verdict: with nothing kept in fp32 the series is bitwise identical to pristine 0.19.8 "
-          f"({', '.join(args.precisions)})")
+          f"(stages {', '.join(args.stages)}; {', '.join(args.precisions)})")
     return 0
 
 

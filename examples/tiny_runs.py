@@ -90,11 +90,6 @@ SIZES = {
 }
 
 
-def deepseek_v4_config():
-    """The demo's tiny DeepSeek-V4: hidden 32, 2 layers (sliding and compressed sparse attention), 4 routed experts."""
-    return tiny_hf_models.deepseek_v4_config(**SIZES["deepseek_v4"])
-
-
 def tiny_model(kind, seed=0):
     """The tiny ``kind`` model of the demo and the study, random init after ``torch.manual_seed(seed)``."""
     return tiny_hf_models.tiny_model(kind, seed=seed, **SIZES[kind])

@@ -83,7 +83,7 @@ format_series() {
         echo "# Pull request 1, on its own: zero_to_fp32 returns frozen parameters as fp32."
         (cd "$out" && ls -1 -- *.patch 2>/dev/null || true) | awk '
             !/^[0-9]+-zero_to_fp32-/ && !feature { print "# Pull request 2: keep the parameters a model names" \
-                " for fp32 in fp32 under ZeRO-3."; feature = 1 }
+                " for fp32 in fp32, in every ZeRO stage."; feature = 1 }
             { print }'
     } >"$out/series"
 }

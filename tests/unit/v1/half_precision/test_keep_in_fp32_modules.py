@@ -574,52 +574,6 @@ def _capture_warnings():
     return records
 
 
-class TestOneDtypeOptimizers(DistributedTest):
-    """Where the optimizer holds one dtype, listed buffers stay in fp32 and listed parameters do not."""
-    world_size = 2
-
-    def test_param_offload_keeps_buffers_only(self):
-        records = _capture_warnings()
-        config = _config(offload_param={"device": "cpu"})
-        engine = _engine(config)
-        for name, param in engine.module.named_parameters():
-            assert param.ds_tensor.dtype == torch.bfloat16, name
-        assert engine.module.bias_buf.dtype == torch.float32
-        messages = [r.getMessage() for r in records if "keep_in_fp32_modules" in r.getMessage()]
-        assert len(messages) == 1 and "4 parameters" in messages[0] and "offload" in messages[0], messages
-        _train(engine, config, steps=1)
-
-    def test_param_offload_refuses_explicit_list_naming_params(self):
-        # one rule with ZeRO-1/2: an explicit list asks for what the stage cannot give
-        config = _config(keep=["sink"], offload_param={"device": "cpu"})
-        with pytest.raises(ValueError, match="keep_in_fp32_modules names 2 parameters.*offload"):
-            _engine(config)
-
-    @pytest.mark.parametrize("stage", [0, 1, 2])
-    def test_auto_warns_and_trains_listed_params_in_bf16(self, stage):
-        records = _capture_warnings()
-        config = _config()
-        config["zero_optimization"] = {"stage": stage}
-        engine = _engine(config, zero_init=False)
-        for name, param in engine.module.named_parameters():
-            assert param.dtype == torch.bfloat16, name
-        assert engine.module.bias_buf.dtype == torch.float32
-        messages = [r.getMessage() for r in records if "keep_in_fp32_modules" in r.getMessage()]
-        assert len(messages) == 1 and "4 parameters" in messages[0], messages
-        _train(engine, config, steps=1)
-
-    @pytest.mark.parametrize("stage", [1, 2])
-    def test_explicit_list_naming_params_is_refused(self, stage):
-        config = _config(keep=["sink"])
-        config["zero_optimization"] = {"stage": stage}
-        with pytest.raises(ValueError, match="keep_in_fp32_modules"):
-            _engine(config, zero_init=False)
-        config = _config(keep=["bias_buf"])  # buffers alone are fine
-        config["zero_optimization"] = {"stage": stage}
-        engine = _engine(config, zero_init=False)
-        assert engine.module.bias_buf.dtype == torch.float32
-
-
 class TestTrainingDtype(DistributedTest):
     """The training dtype is the engine's, not that of the trainable parameters: with every parameter but the
     listed sinks frozen (a sink or norm tuned alone), fp16 keeps its dynamic loss scaler and overflow check."""

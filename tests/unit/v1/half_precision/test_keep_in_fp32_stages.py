@@ -1,0 +1,297 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Parameters a model names for fp32 stay in fp32 in every ZeRO stage, not only under ZeRO-3.
+
+The cases of test_keep_in_fp32_modules.py, for each optimizer that holds the listed parameters next to the bf16/fp16
+ones: no ZeRO (the engine's fp16/bf16 optimizer), ZeRO-1 and ZeRO-2, ZeRO-1 with bf16 and fp32 gradient
+accumulation (the BF16 optimizer), and ZeRO-3 with parameter offload to the CPU. The sinks start at 8.0 + k * 1e-4,
+which bf16 rounds to 8.0, and Adam moves them by about 1e-5 a step: kept in fp32 they hold both.
+"""
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+from unit import tiny_hf_models
+from unit.common import DistributedTest
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _batch, _config, _engine, _gathered,
+                                                               _listed_names, _sinks, _train)
+
+# The zero_optimization section of each stage; "zero1_bf16_optimizer" is ZeRO-1 with bf16 and fp32 gradient
+# accumulation, which the engine gives to its BF16 optimizer.
+STAGES = {
+    "zero0": {
+        "stage": 0
+    },
+    "zero1": {
+        "stage": 1
+    },
+    "zero2": {
+        "stage": 2
+    },
+    "zero1_bf16_optimizer": {
+        "stage": 1
+    },
+    "zero3_offload": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "offload_param": {
+            "device": "cpu"
+        }
+    },
+}
+# The stages whose optimizer states can be offloaded to the CPU.
+OPTIMIZER_OFFLOAD = ["zero1", "zero2", "zero3_offload"]
+# The stages that write ZeRO checkpoints, which zero_to_fp32 reads.
+ZERO_CHECKPOINTS = ["zero1", "zero2", "zero1_bf16_optimizer", "zero3_offload"]
+FP16_STAGES = [stage for stage in STAGES if stage != "zero1_bf16_optimizer"]
+
+
+def _stage_config(stage, keep="auto", dtype="bf16", ga=1, offload_optimizer=False):
+    config = _config(keep=keep, dtype=dtype, ga=ga)
+    config["zero_optimization"] = dict(STAGES[stage])
+    if offload_optimizer:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if stage == "zero1_bf16_optimizer":
+        config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
+    return config
+
+
+def _stage_engine(stage, config):
+    return _engine(config, zero_init=stage == "zero3_offload")
+
+
+def _storage_dtype(param):
+    return getattr(param, "ds_tensor", param).dtype
+
+
+def _check_dtypes(model, kept, half_dtype):
+    """The names in ``kept`` in fp32, every other parameter in ``half_dtype`` (under ZeRO-3 its partition too)."""
+    for name, param in model.named_parameters():
+        want = torch.float32 if name in kept else half_dtype
+        assert param.dtype == want and _storage_dtype(param) == want, f"{name} is {_storage_dtype(param)}, not {want}"
+    assert model.bias_buf.dtype == torch.float32
+
+
+def _masters(engine):
+    """Each parameter's fp32 master, where the optimizer has an accessor for it (not the engine's fp16/bf16
+    optimizer without ZeRO), else its value in fp32."""
+    masters = {}
+    for name, param in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(param)
+        masters[name] = _gathered(param).float() if master is None else master
+    return masters
+
+
+def _check_kept_and_updated(engine):
+    """The kept parameters equal their masters, and the sinks moved below bf16's resolution."""
+    masters = _masters(engine)
+    for name, param in engine.module.named_parameters():
+        if param.dtype == torch.float32:
+            value = _gathered(param)
+            assert value.dtype == torch.float32 and torch.equal(value, masters[name]), name
+    value = _gathered(_sinks(engine.module))
+    assert not torch.equal(value, SINK_VALUES), "the sinks did not move"
+    assert (value - SINK_VALUES).abs().max() < 1e-3, "the sinks moved by more than a few Adam steps can"
+    assert not torch.equal(value, value.bfloat16().float()), "the sinks are on the bf16 grid"
+
+
+def _snapshot(engine):
+    """Every parameter's value, master and Adam moments (None where the optimizer has no accessor)."""
+    masters = _masters(engine)
+    return {
+        name: (_gathered(param), masters[name], safe_get_full_optimizer_state(param, "exp_avg"),
+               safe_get_full_optimizer_state(param, "exp_avg_sq"))
+        for name, param in engine.module.named_parameters()
+    }
+
+
+def _check_same(a, b):
+    for name in a:
+        for what, x, y in zip(("param", "master", "exp_avg", "exp_avg_sq"), a[name], b[name]):
+            assert (x is None) == (y is None), f"{name}: {what}"
+            assert x is None or (x.dtype == y.dtype and torch.equal(x, y)), f"{name}: {what} differs"
+
+
+class TestStagesKeepValues(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", list(STAGES))
+    def test_listed_params_hold_exact_fp32(self, stage):
+        config = _stage_config(stage)
+        engine = _stage_engine(stage, config)
+        _check_dtypes(engine.module, _listed_names(engine.module), torch.bfloat16)
+        assert torch.equal(_gathered(_sinks(engine.module)), SINK_VALUES)
+        masters = _masters(engine)
+        assert torch.equal(masters["attn.sinks"], SINK_VALUES), "the fp32 master was made from rounded values"
+
+    @pytest.mark.parametrize("stage", list(STAGES))
+    def test_empty_list_keeps_nothing(self, stage):
+        config = _stage_config(stage, keep=[])
+        engine = _stage_engine(stage, config)
+        _check_dtypes(engine.module, set(), torch.bfloat16)
+        assert torch.equal(_gathered(_sinks(engine.module)), SINK_VALUES.bfloat16())
+
+
+def _update_cases():
+    for stage in STAGES:
+        for offload in ([False, True] if stage in OPTIMIZER_OFFLOAD else [False]):
+            for ga in (1, 2):
+                yield stage, offload, ga
+
+
+class TestStagesSubResolutionUpdates(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage, offload, ga", list(_update_cases()))
+    def test_update_survives(self, stage, offload, ga):
+        config = _stage_config(stage, ga=ga, offload_optimizer=offload)
+        engine = _stage_engine(stage, config)
+        losses = _train(engine, config, steps=3)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        _check_dtypes(engine.module, _listed_names(engine.module), torch.bfloat16)
+        _check_kept_and_updated(engine)
+
+
+class TestStagesFp16(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", FP16_STAGES)
+    def test_overflow_in_fp32_gradient_skips_the_step(self, stage):
+        config = _stage_config(stage, dtype="fp16")
+        engine = _stage_engine(stage, config)
+        _check_dtypes(engine.module, _listed_names(engine.module), torch.float16)
+        _train(engine, config, steps=1)
+        before = _masters(engine)
+        scale = engine.optimizer.loss_scale
+        # the loss is finite; only the fp32 gradient of the sinks overflows (about 1e60)
+        loss = engine(_batch(1, config), grad_boost=1e30)
+        assert torch.isfinite(loss)
+        engine.backward(loss)
+        engine.step()
+        assert engine.skipped_steps == 1
+        assert engine.optimizer.loss_scale == scale / 2
+        after = _masters(engine)
+        for name in before:
+            assert torch.equal(before[name], after[name]), f"{name} changed in a skipped step"
+        losses = _train(engine, config, steps=2)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        _check_kept_and_updated(engine)
+
+
+class TestStagesClipping(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", list(STAGES))
+    def test_global_norm_covers_both_dtypes(self, stage):
+        # the sinks' gradient dominates the global norm, so leaving the fp32 gradients out would show
+        config = _stage_config(stage)
+        config["gradient_clipping"] = 1.0
+        engine = _stage_engine(stage, config)
+        loss = engine(_batch(0, config), grad_boost=1e3)
+        engine.backward(loss)
+        grads = {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
+        assert grads["attn.sinks"].dtype == torch.float32
+        expected = torch.stack([g.float().norm() for g in grads.values()]).norm()
+        assert grads["attn.sinks"].norm() > 0.9 * expected
+        engine.step()
+        norm = float(engine.get_global_grad_norm())
+        assert norm == pytest.approx(expected.item(), rel=1e-3)
+        assert norm > 1.0  # so the step was clipped
+        _check_kept_and_updated(engine)
+
+
+class TestStagesCheckpoint(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", list(STAGES))
+    def test_round_trip_is_exact_and_training_continues(self, stage, tmp_path):
+        config = _stage_config(stage)
+        engine = _stage_engine(stage, config)
+        _train(engine, config, steps=2)
+        engine.save_checkpoint(str(tmp_path))
+        saved = _snapshot(engine)
+
+        torch.manual_seed(7)
+        loaded = _stage_engine(stage, config)
+        loaded.load_checkpoint(str(tmp_path))
+        _check_same(saved, _snapshot(loaded))
+        _check_dtypes(loaded.module, _listed_names(loaded.module), torch.bfloat16)
+
+        # both continue the same way
+        assert _train(engine, config, steps=2) == _train(loaded, config, steps=2)
+        _check_same(_snapshot(engine), _snapshot(loaded))
+        _check_kept_and_updated(loaded)
+
+    @pytest.mark.parametrize("stage", ZERO_CHECKPOINTS)
+    def test_zero_to_fp32_is_exact(self, stage, tmp_path):
+        config = _stage_config(stage)
+        engine = _stage_engine(stage, config)
+        _train(engine, config, steps=2)
+        engine.save_checkpoint(str(tmp_path))
+        masters = _masters(engine)
+        values = {name: _gathered(param) for name, param in engine.module.named_parameters()}
+        if dist.get_rank() == 0:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+            for name, master in masters.items():
+                assert torch.equal(state_dict[name], master), name
+                if values[name].dtype == torch.float32:
+                    assert torch.equal(state_dict[name], values[name]), name
+        dist.barrier()
+
+
+class TestStagesTransformers(DistributedTest):
+    """A tiny DeepSeek-V3 (``_keep_in_fp32_modules_strict``: ``gate.weight``, the router of each MoE layer, and
+    ``e_score_correction_bias``) loaded with ``from_pretrained`` and trained: the routers hold the file's exact fp32
+    values, and their Adam updates, which bf16 could not hold."""
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", list(STAGES))
+    def test_router_weights_load_exact_and_train(self, stage, tmp_path):
+        transformers = pytest.importorskip("transformers")
+        safetensors_torch = pytest.importorskip("safetensors.torch")
+        if not tiny_hf_models.has_model("deepseek_v3"):
+            pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V3")
+        if dist.get_rank() == 0:
+            tiny_hf_models.save_tiny_model("deepseek_v3", tmp_path, seed=3)
+        dist.barrier()
+        saved = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+        routers = sorted(name for name in saved if name.endswith("gate.weight"))
+        assert len(routers) == 2 and not any(torch.equal(saved[n], saved[n].bfloat16().float()) for n in routers)
+
+        config = _stage_config(stage, keep="auto")
+        config["train_micro_batch_size_per_gpu"] = 2
+        model_cls = tiny_hf_models.model_class("deepseek_v3")
+        if stage == "zero3_offload":
+            from transformers.integrations import HfDeepSpeedConfig
+            dschf = HfDeepSpeedConfig(config)  # noqa: F841 (alive while the model loads: zero.Init)
+        model = model_cls.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        params = dict(engine.module.named_parameters())
+        for name, param in params.items():
+            want = torch.float32 if name in routers else torch.bfloat16
+            assert _storage_dtype(param) == want, f"{name} is {_storage_dtype(param)}, not {want}"
+        before = {name: _gathered(params[name]) for name in routers}
+        for name in routers:
+            assert torch.equal(before[name], saved[name]), f"{name} is not the file's fp32 value"
+
+        losses = []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
+            ids = torch.randint(0, tiny_hf_models.VOCAB, (2, 8), generator=gen)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+        masters = _masters(engine)
+        for name in routers:
+            after = _gathered(params[name])
+            assert after.dtype == torch.float32 and torch.equal(after, masters[name]), name
+            below = (after != before[name]) & (after.bfloat16() == before[name].bfloat16())
+            assert below.any(), f"{name}: no update below bf16's resolution survived"

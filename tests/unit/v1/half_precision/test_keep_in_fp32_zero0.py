@@ -1,0 +1,229 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Parameters kept in fp32 by the engine's fp16/bf16 optimizers (no ZeRO, and BF16_Optimizer under ZeRO-1): their
+gradients are reduced in fp32, FusedAdam without ZeRO (FP16_Optimizer) keeps them in sub-groups of their own, the
+fused steps that hold one dtype fall back ("auto") or refuse (an explicit list), and BF16_Optimizer and FP16_Optimizer
+refuse optimizer states saved with another set of kept parameters."""
+
+import pytest
+import torch
+from torch._utils import _unflatten_dense_tensors
+
+from unit.common import DistributedTest
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _batch, _collective_dtypes, _listed_names,
+                                                              _sinks, _train)
+from unit.v1.half_precision.test_keep_in_fp32_stages import (_check_dtypes, _check_kept_and_updated, _stage_config,
+                                                             _stage_engine)
+
+
+class TestKeptGradientsReducedInFp32(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage, dtype", [("zero0", "bf16"), ("zero0", "fp16"), ("zero1_bf16_optimizer", "bf16")])
+    def test_all_reduce_dtypes(self, stage, dtype):
+        config = _stage_config(stage, dtype=dtype)
+        engine = _stage_engine(stage, config)
+        kept_numel = sum(p.numel() for p in engine.module.parameters() if p.dtype == torch.float32)
+        loss = engine(_batch(0, config))
+        with _collective_dtypes("all_reduce") as calls:
+            engine.backward(loss)
+        # one reduction in the training dtype, one in fp32 for the kept parameters (not cast to the training dtype)
+        assert torch.float32 in calls, calls
+        assert calls.count(torch.float32) == 1 and kept_numel > 0, calls
+        engine.step()
+
+
+class TestRefusals(DistributedTest):
+    world_size = 1
+
+    def test_fused_adam_without_zero_keeps_nothing_with_empty_list(self):
+        config = _fused_config("fp16", keep=[])
+        engine = _stage_engine("zero0", config)
+        assert type(engine.optimizer).__name__ == "FP16_Optimizer"
+        _check_dtypes(engine.module, set(), torch.float16)
+        assert len(engine.optimizer.fp32_groups_flat) == len(engine.optimizer.param_groups) == 1
+
+    def test_legacy_fusion_with_auto_trains_listed_params_in_half(self):
+        # optimizer.legacy_fusion steps one flat buffer per param group: "auto" falls back to training them in bf16
+        config = _fused_config("bf16")
+        config["optimizer"]["legacy_fusion"] = True
+        engine = _stage_engine("zero0", config)
+        _check_dtypes(engine.module, set(), torch.bfloat16)
+
+    @pytest.mark.parametrize("optimizer", ["legacy_fusion", "Lamb"])
+    def test_fused_step_with_explicit_list_is_refused(self, optimizer):
+        config = _fused_config("bf16", keep=["sink"])
+        if optimizer == "Lamb":
+            config["optimizer"]["type"] = "Lamb"
+            way_out = "another optimizer"
+        else:
+            config["optimizer"]["legacy_fusion"] = True
+            way_out = "legacy_fusion to false"
+        with pytest.raises(ValueError, match=f"keep_in_fp32_modules names.*without ZeRO.*{way_out}.*to \\[\\]"):
+            _stage_engine("zero0", config)
+
+
+def _fused_config(dtype, keep="auto"):
+    """Stage 0 with the default Adam: FusedAdam, which the engine wraps in FP16_Optimizer."""
+    config = _stage_config("zero0", keep=keep, dtype=dtype)
+    del config["optimizer"]["params"]["torch_adam"]
+    return config
+
+
+def _fused_masters(engine):
+    """Each parameter's fp32 master in FP16_Optimizer's flat master weights."""
+    optimizer = engine.optimizer
+    assert type(optimizer).__name__ == "FP16_Optimizer"
+    masters = {}
+    for group, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+        assert flat.dtype == torch.float32
+        for param, master in zip(group, _unflatten_dense_tensors(flat, group)):
+            masters[engine.param_names[param]] = master.detach().clone()
+    return masters
+
+
+def _check_fused_kept(engine, half_dtype):
+    """The listed parameters in fp32, in sub-groups of their own, equal to their masters."""
+    kept = _listed_names(engine.module)
+    _check_dtypes(engine.module, kept, half_dtype)
+    optimizer = engine.optimizer
+    assert len(optimizer.param_groups) == 1 and len(optimizer.param_groups[0]["params"]) == 2
+    assert optimizer.sub_group_kept_in_fp32 == [False, True]
+    masters = _fused_masters(engine)
+    for name, param in engine.module.named_parameters():
+        if name in kept:
+            assert torch.equal(param.data, masters[name]), name
+
+
+def _fused_snapshot(engine):
+    """Every parameter's value and master, the Adam state of each flat master and the loss scale."""
+    optimizer = engine.optimizer
+    values = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    states = []
+    for flat in optimizer.fp32_groups_flat:
+        states.append({
+            key: value.clone()
+            for key, value in optimizer.optimizer.state[flat].items() if torch.is_tensor(value)
+        })
+    return values, _fused_masters(engine), states, optimizer.loss_scale
+
+
+def _check_fused_same(a, b):
+    for x, y in zip(a[:2], b[:2]):
+        assert x.keys() == y.keys()
+        for name in x:
+            assert x[name].dtype == y[name].dtype and torch.equal(x[name], y[name]), name
+    assert len(a[2]) == len(b[2])
+    for x, y in zip(a[2], b[2]):
+        assert x.keys() == y.keys() and all(torch.equal(x[key], y[key]) for key in x)
+    assert a[3] == b[3]
+
+
+class TestFusedAdamWithoutZero(DistributedTest):
+    """The default Adam at stage 0 (FusedAdam in FP16_Optimizer) keeps the listed parameters in fp32."""
+    world_size = 1
+
+    @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+    def test_exact_after_init_and_updates_below_bf16_resolution(self, dtype):
+        config = _fused_config(dtype)
+        engine = _stage_engine("zero0", config)
+        half = torch.bfloat16 if dtype == "bf16" else torch.float16
+        _check_fused_kept(engine, half)
+        assert torch.equal(_sinks(engine.module).data, SINK_VALUES)
+        assert torch.equal(_fused_masters(engine)["attn.sinks"], SINK_VALUES)
+        losses = _train(engine, config, steps=3)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert engine.skipped_steps == 0
+        _check_fused_kept(engine, half)
+        _check_kept_and_updated(engine)
+
+    def test_overflow_in_fp32_gradient_skips_the_step(self):
+        config = _fused_config("fp16")
+        engine = _stage_engine("zero0", config)
+        _train(engine, config, steps=1)
+        before = _fused_masters(engine)
+        scale = engine.optimizer.loss_scale
+        # the loss is finite; only the fp32 gradient of the sinks overflows
+        loss = engine(_batch(1, config), grad_boost=1e30)
+        assert torch.isfinite(loss)
+        engine.backward(loss)
+        assert _sinks(engine.module).grad.dtype == torch.float32
+        engine.step()
+        assert engine.skipped_steps == 1
+        assert engine.optimizer.loss_scale == scale / 2
+        after = _fused_masters(engine)
+        for name in before:
+            assert torch.equal(before[name], after[name]), f"{name} changed in a skipped step"
+        _train(engine, config, steps=2)
+        _check_fused_kept(engine, torch.float16)
+        _check_kept_and_updated(engine)
+
+    @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+    def test_global_norm_covers_both_dtypes(self, dtype):
+        config = _fused_config(dtype)
+        config["gradient_clipping"] = 1.0
+        engine = _stage_engine("zero0", config)
+        loss = engine(_batch(0, config), grad_boost=1e3)
+        engine.backward(loss)
+        scale = engine.optimizer.loss_scale or 1.0
+        grads = {name: p.grad.float() / scale for name, p in engine.module.named_parameters()}
+        assert engine.module.attn.sinks.grad.dtype == torch.float32
+        expected = torch.stack([g.norm() for g in grads.values()]).norm()
+        assert grads["attn.sinks"].norm() > 0.9 * expected
+        engine.step()
+        norm = float(engine.get_global_grad_norm())
+        assert norm == pytest.approx(expected.item(), rel=1e-3)
+        assert norm > 1.0  # so the step was clipped
+        _check_fused_kept(engine, torch.bfloat16 if dtype == "bf16" else torch.float16)
+        _check_kept_and_updated(engine)
+
+    @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+    def test_round_trip_is_exact_and_training_continues(self, dtype, tmp_path):
+        config = _fused_config(dtype)
+        engine = _stage_engine("zero0", config)
+        _train(engine, config, steps=2)
+        engine.save_checkpoint(str(tmp_path))
+        saved = _fused_snapshot(engine)
+
+        torch.manual_seed(7)
+        loaded = _stage_engine("zero0", config)
+        loaded.load_checkpoint(str(tmp_path))
+        _check_fused_same(saved, _fused_snapshot(loaded))
+
+        assert _train(engine, config, steps=2) == _train(loaded, config, steps=2)
+        _check_fused_same(_fused_snapshot(engine), _fused_snapshot(loaded))
+        _check_fused_kept(loaded, torch.bfloat16 if dtype == "bf16" else torch.float16)
+        _check_kept_and_updated(loaded)
+
+    @pytest.mark.parametrize("saved_keep, loaded_keep", [([], "auto"), ("auto", []), (["sink_gate"], ["norm.weight"])])
+    def test_other_layout_is_refused(self, saved_keep, loaded_keep, tmp_path):
+        config = _fused_config("bf16", keep=saved_keep)
+        engine = _stage_engine("zero0", config)
+        _train(engine, config, steps=1)
+        engine.save_checkpoint(str(tmp_path))
+        config = _fused_config("bf16", keep=loaded_keep)
+        loaded = _stage_engine("zero0", config)
+        with pytest.raises(ValueError, match="keep_in_fp32_modules.*load_module_only=True"):
+            loaded.load_checkpoint(str(tmp_path))
+        # the way out: only the model's weights, from which the masters are made
+        loaded.load_checkpoint(str(tmp_path), load_module_only=True)
+        masters = _fused_masters(loaded)
+        for name, param in loaded.module.named_parameters():
+            assert torch.equal(param.data.float(), masters[name]), name
+
+
+class TestBf16OptimizerCrossLayout(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("saved_keep, loaded_keep", [([], "auto"), ("auto", [])])
+    def test_other_layout_is_refused(self, saved_keep, loaded_keep, tmp_path):
+        config = _stage_config("zero1_bf16_optimizer", keep=saved_keep)
+        engine = _stage_engine("zero1_bf16_optimizer", config)
+        _train(engine, config, steps=1)
+        engine.save_checkpoint(str(tmp_path))
+        config = _stage_config("zero1_bf16_optimizer", keep=loaded_keep)
+        loaded = _stage_engine("zero1_bf16_optimizer", config)
+        with pytest.raises(ValueError, match="keep_in_fp32_modules.*universal checkpoint.*load_optimizer_states"):
+            loaded.load_checkpoint(str(tmp_path))

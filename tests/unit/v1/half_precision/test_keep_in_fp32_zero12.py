@@ -1,0 +1,204 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""ZeRO-1 and ZeRO-2 keep the parameters a model names for fp32 in fp32: what test_keep_in_fp32_stages.py does not
+cover for them.
+
+- A checkpoint lays out its fp32 partitions and optimizer states per group of one dtype, so one saved keeping other
+  parameters in fp32 is refused, and ds_to_universal with checkpoint.load_universal moves it.
+- The features that cannot hold kept parameters are refused: elastic_checkpoint, kept parameters of an MoE expert
+  param group, offload_states.
+- The gradient reduction options train with the kept parameters exact: a bucket of fp32 shared with the other
+  gradients (communication_data_type fp32), overlap_comm, contiguous_gradients off, round_robin_gradients.
+"""
+
+import os
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from unit.checkpoint._keep_in_fp32_checkpoint_run import to_universal
+from unit.common import DistributedTest
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _gathered, _listed_names, _sinks, _train)
+from unit.v1.half_precision.test_keep_in_fp32_stages import (_check_dtypes, _check_kept_and_updated, _masters,
+                                                             _stage_config, _stage_engine)
+
+TAG = "global_step2"
+# ZeRO-2 in the fast subset, ZeRO-1 in the nightly matrix
+STAGES = ["zero2", pytest.param("zero1", marks=pytest.mark.nightly)]
+
+
+def _save(stage, keep, save_dir):
+    """Train two steps with data_types.keep_in_fp32_modules ``keep`` and save a checkpoint that ds_to_universal can
+    convert; returns every parameter's fp32 master."""
+    config = _stage_config(stage, keep=keep)
+    engine = _stage_engine(stage, config)
+    _train(engine, config, steps=2)
+    engine.save_checkpoint(save_dir, tag=TAG, client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
+    return _masters(engine)
+
+
+class TestCheckpointOfOtherLayout(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", STAGES)
+    def test_other_kept_groups_are_refused(self, stage, tmp_path):
+        saves = {"auto": str(tmp_path / "auto"), "none": str(tmp_path / "none")}
+        _save(stage, "auto", saves["auto"])
+        _save(stage, [], saves["none"])
+        for keep, other in (("auto", "none"), ([], "auto")):
+            config = _stage_config(stage, keep=keep)
+            config["zero_optimization"]["load_from_fp32_weights"] = False
+            engine = _stage_engine(stage, config)
+            with pytest.raises(RuntimeError, match="keep_in_fp32_modules.*ds_to_universal.*load_universal"):
+                engine.load_checkpoint(saves[other])
+            # the module alone loads, as the error says
+            load_path, _ = engine.load_checkpoint(saves[other], load_optimizer_states=False)
+            assert load_path is not None
+
+    @pytest.mark.parametrize("stage", STAGES + ["zero1_bf16_optimizer"])
+    def test_universal_checkpoint_of_nothing_kept_loads_keeping(self, stage, tmp_path):
+        # saved with nothing kept (the layout of 0.19.8), loaded keeping the model's list
+        save_dir = str(tmp_path / "ckpt")
+        saved = _save(stage, [], save_dir)
+        if dist.get_rank() == 0:
+            to_universal(save_dir, TAG)
+        dist.barrier()
+
+        config = _stage_config(stage)
+        config["checkpoint"] = {"load_universal": True}
+        engine = _stage_engine(stage, config)
+        load_path, _ = engine.load_checkpoint(save_dir)
+        assert load_path is not None and f"{TAG}_universal" in load_path, load_path
+        _check_dtypes(engine.module, _listed_names(engine.module), torch.bfloat16)
+        masters = _masters(engine)
+        for name, param in engine.module.named_parameters():
+            assert torch.equal(masters[name], saved[name]), f"{name}: the master differs after the load"
+            assert torch.equal(_gathered(param), saved[name].to(param.dtype)), f"{name} is not its master"
+        sinks = _gathered(_sinks(engine.module))
+        assert not torch.equal(sinks, sinks.bfloat16().float()), "the loaded sinks are on the bf16 grid"
+
+        _train(engine, config, steps=2)
+        _check_kept_and_updated(engine)
+        after = _gathered(_sinks(engine.module))
+        assert not torch.equal(after, sinks) and torch.equal(after.bfloat16(), sinks.bfloat16())
+
+
+class Expert(torch.nn.Module):
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.sinks = torch.nn.Parameter(torch.full((hidden, ), 8.0))
+
+    def forward(self, h):
+        return self.lin(h) + self.sinks.to(h.dtype)
+
+
+class MoENet(torch.nn.Module):
+    _keep_in_fp32_modules_strict = ["sinks"]
+
+    def __init__(self, hidden=8):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+        self.moe = MoE(hidden_size=hidden, expert=Expert(hidden), num_experts=2, ep_size=1, k=1)
+
+    def forward(self, x):
+        return self.moe(x)[0].float().pow(2).mean()
+
+
+class TestRefusals(DistributedTest):
+    world_size = 2
+
+    def test_elastic_checkpoint(self):
+        config = _stage_config("zero2")
+        config["zero_optimization"]["elastic_checkpoint"] = True
+        with pytest.raises(ValueError, match="keeps 4 parameters in fp32.*elastic_checkpoint"):
+            _stage_engine("zero2", config)
+        config["data_types"] = {"keep_in_fp32_modules": []}
+        _stage_engine("zero2", config)
+
+    def test_offload_states(self):
+        engine = _stage_engine("zero2", _stage_config("zero2"))
+        with pytest.raises(NotImplementedError, match="offload_states.*keep_in_fp32_modules"):
+            engine.offload_states()
+
+    def test_kept_expert_params(self):
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        config = _stage_config("zero2")
+        torch.manual_seed(42)
+        model = MoENet()
+        groups = split_params_into_different_moe_groups_for_optimizer({
+            "params": list(model.parameters()),
+            "name": "p"
+        })
+        with pytest.raises(ValueError, match="keeps 2 parameters of the MoE expert param group"):
+            deepspeed.initialize(model=model, model_parameters=groups, config=config)
+
+
+# (the options, whether the fast subset runs them)
+REDUCTIONS = {
+    "comm_fp32_shared_bucket": ({
+        "communication_data_type": "fp32"
+    }, True),
+    "overlap_comm": ({
+        "zero_optimization": {
+            "overlap_comm": True
+        }
+    }, True),
+    "no_contiguous_gradients": ({
+        "zero_optimization": {
+            "contiguous_gradients": False
+        }
+    }, False),
+    "round_robin_gradients": ({
+        "zero_optimization": {
+            "round_robin_gradients": True
+        }
+    }, False),
+}
+
+
+def _reduction_cases():
+    for stage in ("zero2", "zero1"):
+        for name, (_, fast) in REDUCTIONS.items():
+            marks = [] if fast and stage == "zero2" else [pytest.mark.nightly]
+            yield pytest.param(stage, name, marks=marks, id=f"{stage}-{name}")
+
+
+class TestGradientReduction(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage, reduction", list(_reduction_cases()))
+    def test_trains_with_kept_params_exact(self, stage, reduction):
+        config = _stage_config(stage)
+        options, _ = REDUCTIONS[reduction]
+        for key, value in options.items():
+            if isinstance(value, dict):
+                config[key].update(value)
+            else:
+                config[key] = value
+        engine = _stage_engine(stage, config)
+        losses = _train(engine, config, steps=2)
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+        _check_dtypes(engine.module, _listed_names(engine.module), torch.bfloat16)
+        _check_kept_and_updated(engine)
+        assert not torch.equal(_masters(engine)["attn.sinks"], SINK_VALUES)
+
+
+class TestRoundRobinMasters(DistributedTest):
+    """With round_robin_gradients and nothing kept (pristine 0.19.8's path), each parameter's fp32 master is its own
+    value, not another parameter's slice of the reordered flat buffer."""
+    world_size = 2
+
+    def test_masters_are_their_params(self):
+        config = _stage_config("zero2", keep=[])
+        config["zero_optimization"]["round_robin_gradients"] = True
+        engine = _stage_engine("zero2", config)
+        masters = _masters(engine)
+        for name, param in engine.module.named_parameters():
+            assert torch.equal(masters[name], param.float()), f"{name}: its master is another parameter's values"

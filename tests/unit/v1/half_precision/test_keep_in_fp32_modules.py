@@ -11,6 +11,7 @@ and every forward pass sees its fp32 master exactly.
 """
 
 import contextlib
+import itertools
 import logging
 
 import pytest
@@ -274,14 +275,18 @@ class TestModuleMovedToFp32InInit(DistributedTest):
             _check_kept_and_updated(engine)
 
 
+def _update_cases():
+    """Every combination of zero.Init x contiguous gradients x optimizer offload x gradient accumulation; make test
+    runs two opposite corners, the nightly runs all."""
+    fast = [(True, True, False, 1), (False, False, True, 2)]
+    for case in itertools.product([True, False], [True, False], [False, True], [1, 2]):
+        yield case if case in fast else pytest.param(*case, marks=pytest.mark.nightly)
+
+
 class TestSubResolutionUpdates(DistributedTest):
-    """Every combination of zero.Init x contiguous gradients x optimizer offload x gradient accumulation."""
     world_size = 2
 
-    @pytest.mark.parametrize("ga", [1, 2])
-    @pytest.mark.parametrize("offload", [False, True])
-    @pytest.mark.parametrize("contiguous_gradients", [True, False])
-    @pytest.mark.parametrize("zero_init", [True, False])
+    @pytest.mark.parametrize("zero_init, contiguous_gradients, offload, ga", list(_update_cases()))
     def test_update_survives(self, zero_init, contiguous_gradients, offload, ga):
         zero = {"contiguous_gradients": contiguous_gradients, "ga": ga}
         if offload:

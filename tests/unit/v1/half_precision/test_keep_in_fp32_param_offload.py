@@ -49,8 +49,9 @@ class TestOffloadedLayout(DistributedTest):
     others, as it holds every parameter when nothing is kept."""
     world_size = 2
 
-    @pytest.mark.parametrize("offload_optimizer", [False, True])
-    @pytest.mark.parametrize("zero_init", [True, False])
+    @pytest.mark.parametrize("zero_init, offload_optimizer", [(True, False), (False, True),
+                                                              pytest.param(True, True, marks=pytest.mark.nightly),
+                                                              pytest.param(False, False, marks=pytest.mark.nightly)])
     def test_kept_partitions_in_an_fp32_cpu_buffer(self, zero_init, offload_optimizer):
         config = _offload_config(offload_optimizer=offload_optimizer)
         engine = _engine(config, zero_init=zero_init)
@@ -87,8 +88,11 @@ class TestOffloadedLayout(DistributedTest):
 class TestOffloadedTraining(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("ga", [1, 2])
-    @pytest.mark.parametrize("offload_optimizer", [False, True])
+    @pytest.mark.parametrize("offload_optimizer, ga", [
+        pytest.param(False, 1, marks=pytest.mark.nightly), (False, 2),
+        pytest.param(True, 1, marks=pytest.mark.nightly),
+        pytest.param(True, 2, marks=pytest.mark.nightly)
+    ])
     def test_update_survives_without_zero_init(self, offload_optimizer, ga):
         config = _offload_config(offload_optimizer=offload_optimizer, ga=ga)
         engine = _engine(config, zero_init=False)

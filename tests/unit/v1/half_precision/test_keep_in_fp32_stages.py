@@ -129,7 +129,10 @@ class TestStagesKeepValues(DistributedTest):
         masters = _masters(engine)
         assert torch.equal(masters["attn.sinks"], SINK_VALUES), "the fp32 master was made from rounded values"
 
-    @pytest.mark.parametrize("stage", list(STAGES))
+    @pytest.mark.parametrize("stage", [
+        stage if stage in ("zero0", "zero3_offload") else pytest.param(stage, marks=pytest.mark.nightly)
+        for stage in STAGES
+    ])
     def test_empty_list_keeps_nothing(self, stage):
         config = _stage_config(stage, keep=[])
         engine = _stage_engine(stage, config)
@@ -138,10 +141,15 @@ class TestStagesKeepValues(DistributedTest):
 
 
 def _update_cases():
+    """Each stage with optimizer offload on and off where it has it, and gradient accumulation 1 and 2; make test runs
+    one case a stage, the nightly runs all."""
+    fast = [("zero0", False, 2), ("zero1", True, 1), ("zero2", False, 2), ("zero1_bf16_optimizer", False, 1),
+            ("zero3_offload", True, 2)]
     for stage in STAGES:
         for offload in ([False, True] if stage in OPTIMIZER_OFFLOAD else [False]):
             for ga in (1, 2):
-                yield stage, offload, ga
+                case = (stage, offload, ga)
+                yield case if case in fast else pytest.param(*case, marks=pytest.mark.nightly)
 
 
 class TestStagesSubResolutionUpdates(DistributedTest):

@@ -125,7 +125,7 @@ class TestFusedAdamWithoutZero(DistributedTest):
     """The default Adam at stage 0 (FusedAdam in FP16_Optimizer) keeps the listed parameters in fp32."""
     world_size = 1
 
-    @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+    @pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.nightly)])
     def test_exact_after_init_and_updates_below_bf16_resolution(self, dtype):
         config = _fused_config(dtype)
         engine = _stage_engine("zero0", config)
@@ -160,7 +160,7 @@ class TestFusedAdamWithoutZero(DistributedTest):
         _check_fused_kept(engine, torch.float16)
         _check_kept_and_updated(engine)
 
-    @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+    @pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.nightly)])
     def test_global_norm_covers_both_dtypes(self, dtype):
         config = _fused_config(dtype)
         config["gradient_clipping"] = 1.0
@@ -179,7 +179,7 @@ class TestFusedAdamWithoutZero(DistributedTest):
         _check_fused_kept(engine, torch.bfloat16 if dtype == "bf16" else torch.float16)
         _check_kept_and_updated(engine)
 
-    @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+    @pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.nightly)])
     def test_round_trip_is_exact_and_training_continues(self, dtype, tmp_path):
         config = _fused_config(dtype)
         engine = _stage_engine("zero0", config)

@@ -13,7 +13,6 @@ cover for them.
   gradients (communication_data_type fp32), overlap_comm, contiguous_gradients off, round_robin_gradients.
 """
 
-import os
 
 import pytest
 import torch

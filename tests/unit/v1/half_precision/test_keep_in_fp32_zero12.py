@@ -13,7 +13,6 @@ cover for them.
   gradients (communication_data_type fp32), overlap_comm, contiguous_gradients off, round_robin_gradients.
 """
 
-
 import pytest
 import torch
 
@@ -58,6 +57,16 @@ class TestCheckpointOfOtherLayout(DistributedTest):
             # the module alone loads, as the error says
             load_path, _ = engine.load_checkpoint(saves[other], load_optimizer_states=False)
             assert load_path is not None
+
+    def test_other_params_kept_in_as_many_groups_are_refused(self, tmp_path):
+        # ["sink"] and ["norm"] each keep one group of each param group: the parameters in it tell them apart
+        save_dir = str(tmp_path / "sink")
+        _save("zero2", ["sink"], save_dir)
+        config = _stage_config("zero2", keep=["norm"])
+        config["zero_optimization"]["load_from_fp32_weights"] = False
+        engine = _stage_engine("zero2", config)
+        with pytest.raises(RuntimeError, match="keep_in_fp32_modules.*ds_to_universal.*load_universal"):
+            engine.load_checkpoint(save_dir)
 
     @pytest.mark.parametrize("stage", STAGES + ["zero1_bf16_optimizer"])
     def test_universal_checkpoint_of_nothing_kept_loads_keeping(self, stage, tmp_path):

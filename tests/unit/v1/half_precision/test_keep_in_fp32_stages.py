@@ -243,6 +243,7 @@ class TestStagesCheckpoint(DistributedTest):
         engine.save_checkpoint(str(tmp_path))
         masters = _masters(engine)
         values = {name: _gathered(param) for name, param in engine.module.named_parameters()}
+        assert {name for name, value in values.items() if value.dtype == torch.float32} == _listed_names(engine.module)
         if dist.get_rank() == 0:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
             state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))

@@ -65,6 +65,18 @@ def build_engine(spec, config):
     return engine, loss_fn
 
 
+def timed_step(engine, loss_fn, ids, acc):
+    """One training step; returns its loss (a float), wall-clock and CPU seconds (this process)."""
+    acc.synchronize()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    loss = loss_fn(engine, ids)
+    engine.backward(loss)
+    engine.step()
+    acc.synchronize()
+    wall, cpu_time = time.perf_counter() - start, time.process_time() - cpu_start
+    return loss.detach().float().item(), wall, cpu_time
+
+
 def _paired_main(spec, rank, job_dir, device):
     """Two engines of one build in the same processes (``spec["paired"]``: their configs), trained on the same
     batches in alternating steps (A, B, A, B, ...), so that the machine's load falls on both alike."""
@@ -84,16 +96,10 @@ def _paired_main(spec, rank, job_dir, device):
         order = range(len(engines)) if step % 2 == 0 else reversed(range(len(engines)))
         for i in order:
             engine, loss_fn = engines[i]
-            ids = batches[step].to(device)
-            acc.synchronize()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            loss = loss_fn(engine, ids)
-            engine.backward(loss)
-            engine.step()
-            acc.synchronize()
-            times[i].append(time.perf_counter() - start)
-            cpu[i].append(time.process_time() - cpu_start)
-            losses[i].append(loss.detach().float().item())
+            loss, wall, cpu_time = timed_step(engine, loss_fn, batches[step].to(device), acc)
+            times[i].append(wall)
+            cpu[i].append(cpu_time)
+            losses[i].append(loss)
     result = {
         "rank": rank,
         "paired": True,
@@ -219,16 +225,10 @@ def worker_main(spec_path):
             if device_type != "cpu":
                 acc.synchronize()
                 acc.reset_peak_memory_stats()
-        ids = batches[step].to(device)
-        acc.synchronize()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        loss = loss_fn(engine, ids)
-        engine.backward(loss)
-        engine.step()
-        acc.synchronize()
-        step_times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
-        losses.append(loss.detach().float().item())
+        loss, wall, cpu_time = timed_step(engine, loss_fn, batches[step].to(device), acc)
+        step_times.append(wall)
+        cpu_times.append(cpu_time)
+        losses.append(loss)
     counter.active = False
     comm = counter.snapshot()
     timed = max(1, spec["steps"])

@@ -6,7 +6,7 @@
 
 As a module, it gives the tests ``SinkNet`` and its helpers. As a script, run on every rank by
 ``python -m torch.distributed.run --nproc_per_node N _keep_in_fp32_checkpoint_run.py OUT [options]``, it trains
-``SinkNet`` for two ZeRO-3 bf16 steps with whatever ``import deepspeed`` finds (the tests run it with pristine
+``SinkNet`` for two ZeRO-3 (``--stage``: or ZeRO-1/2) bf16 steps with whatever ``import deepspeed`` finds (the tests run it with pristine
 DeepSpeed 0.19.8 on PYTHONPATH, or with the DeepSpeed under test), saves a checkpoint in ``OUT/ckpt`` and, on rank 0,
 ``OUT/reference.pt``: per parameter its fp32 master, exp_avg and exp_avg_sq, its gathered value and dtype, and the
 DeepSpeed it ran with. With ``--universal``, rank 0 converts the checkpoint with ds_to_universal as well.
@@ -69,8 +69,9 @@ class SinkNet(torch.nn.Module):
         return self.out(h).float().pow(2).mean()
 
 
-def config(keep="auto", load_universal=False):
-    """ZeRO-3 bf16 with Adam; ``keep`` is data_types.keep_in_fp32_modules ("auto": no data_types section)."""
+def config(keep="auto", load_universal=False, stage=3):
+    """ZeRO-3 (or ``stage``) bf16 with Adam; ``keep`` is data_types.keep_in_fp32_modules ("auto": no data_types
+    section)."""
     result = {
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": 1000,
@@ -82,7 +83,7 @@ def config(keep="auto", load_universal=False):
             }
         },
         "zero_optimization": {
-            "stage": 3,
+            "stage": stage,
             "stage3_param_persistence_threshold": 0
         },
         "bf16": {
@@ -104,16 +105,17 @@ def gathered(param):
 
 
 def build(ds_config, frozen=()):
-    """SinkNet under zero.Init, with the sinks (and the norm's weight) set off the bf16 grid by rank 0, and the
+    """SinkNet (under zero.Init for ZeRO-3), with the sinks (and the norm's weight) set off the bf16 grid, and the
     parameters named in ``frozen`` frozen."""
     import deepspeed
     import deepspeed.comm as dist
     torch.manual_seed(42)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+    zero3 = ds_config["zero_optimization"]["stage"] == 3
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3):
         model = SinkNet()
     for param, values in ((model.attn.sinks, SINK_VALUES), (model.norm.weight, NORM_VALUES)):
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            if dist.get_rank() == 0:
+            if dist.get_rank() == 0 or not zero3:
                 param.data.copy_(values)
     for name, param in model.named_parameters():
         if name in frozen:
@@ -182,20 +184,24 @@ def main():
     parser.add_argument("--keep", default='"auto"', help="data_types.keep_in_fp32_modules, as JSON")
     parser.add_argument("--frozen", default="", help="names of parameters to freeze, comma-separated")
     parser.add_argument("--universal", action="store_true", help="also convert with ds_to_universal")
+    parser.add_argument("--stage", type=int, default=3, help="zero_optimization.stage")
     args = parser.parse_args()
 
     import deepspeed
     import deepspeed.comm as dist
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     if rank == 0:
         print(f"deepspeed {deepspeed.__version__} from {deepspeed.__file__}", flush=True)
 
-    ds_config = config(keep=json.loads(args.keep))
+    ds_config = config(keep=json.loads(args.keep), stage=args.stage)
     model_engine = engine(ds_config, frozen=[n for n in args.frozen.split(",") if n])
     losses = train(model_engine)
     ckpt = os.path.join(args.out, "ckpt")
-    model_engine.save_checkpoint(ckpt, tag=TAG)
+    # ds_to_universal reads ZeRO-1/2 checkpoints that say they can be converted
+    client_state = {UNIVERSAL_CHECKPOINT_INFO: {}} if args.stage < 3 else {}
+    model_engine.save_checkpoint(ckpt, tag=TAG, client_state=client_state)
     reference = {
         "params": snapshot(model_engine),
         "buffers": {

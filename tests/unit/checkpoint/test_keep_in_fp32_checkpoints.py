@@ -7,7 +7,9 @@ versions, settings and world sizes with nothing lost.
 
 - Upgrade: a ZeRO-3 checkpoint that pristine DeepSpeed 0.19.8 itself saves (in a subprocess with the pristine tree
   named by ``$DS_PRISTINE_TREE`` on PYTHONPATH; skipped without it), where the listed parameters trained in bf16,
-  loads into a run that keeps them in fp32 with every master and Adam moment exact.
+  loads into a run that keeps them in fp32 with every master and Adam moment exact. A ZeRO-2 one, whose fp32
+  partitions are laid out per param group, not per group of one dtype, is refused by a direct load, and moves
+  through ds_to_universal the way the refusal says, every master and moment exact.
 - Universal checkpoints: a world-size-2 (and a world-size-3) save, converted by ds_to_universal, loads at world
   sizes 1, 2 and 3 with the same list and with others, every master and moment exact.
 - zero_to_fp32: trainable and frozen parameters, kept in fp32 or not, come back exactly in every export path.
@@ -31,7 +33,7 @@ import torch
 import deepspeed
 from unit.common import DistributedTest
 from unit.checkpoint._keep_in_fp32_checkpoint_run import (NORM_VALUES, SINK_VALUES, STEPS, TAG, config, engine,
-                                                          gathered, snapshot, train)
+                                                          gathered, snapshot, to_universal, train)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_keep_in_fp32_checkpoint_run.py")
 KEPT_AUTO = {"attn.sinks", "attn.sink_gate", "norm.weight", "norm.bias"}  # what SinkNet lists ("sink", "norm")
@@ -107,6 +109,18 @@ def pristine_save(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def pristine_save_zero2(tmp_path_factory):
+    """A ZeRO-2 checkpoint that pristine DeepSpeed 0.19.8 saved at world size 2 (nothing kept)."""
+    tree = _pristine_tree()
+    out = tmp_path_factory.mktemp("pristine_save_zero2")
+    reference = _save_in_subprocess(out, 2, "--stage", "2", pristine_tree=tree)
+    assert reference["deepspeed_version"].strip() == "0.19.8", reference["deepspeed_version"]
+    for name, entry in reference["params"].items():
+        assert entry["value"].dtype == torch.bfloat16, f"pristine 0.19.8 kept {name} in {entry['value'].dtype}"
+    return str(out)
+
+
+@pytest.fixture(scope="module")
 def universal_save_ws2(tmp_path_factory):
     """A checkpoint saved at world size 2 with the model's list ("auto"), and its universal conversion."""
     out = tmp_path_factory.mktemp("universal_ws2")
@@ -134,7 +148,8 @@ def _check_loaded(model_engine, saved, kept):
     assert set(restored) == set(saved)
     for name, param in model_engine.module.named_parameters():
         want = torch.float32 if name in kept else torch.bfloat16
-        assert param.ds_tensor.dtype == want, f"{name}: partition in {param.ds_tensor.dtype}, expected {want}"
+        stored = getattr(param, "ds_tensor", param)  # the partition under ZeRO-3
+        assert stored.dtype == want, f"{name}: stored in {stored.dtype}, expected {want}"
         assert param.requires_grad == saved[name]["requires_grad"], name
         value = restored[name]["value"]
         assert value.dtype == want, f"{name} is {value.dtype}, expected {want}"
@@ -189,6 +204,34 @@ class TestUpgradeFromPristine(DistributedTest):
         _check_loaded(loaded, saved["params"], KEPT_AUTO)
         assert loaded.module.bias_buf.dtype == torch.float32
         assert torch.equal(loaded.module.bias_buf.cpu(), saved["buffers"]["bias_buf"])
+        _check_training_continues(loaded, KEPT_AUTO)
+
+
+class TestUpgradeFromPristineZero2(DistributedTest):
+    """A ZeRO-2 checkpoint saved by pristine DeepSpeed 0.19.8 holds one fp32 partition per param group; a run that
+    keeps the model's list holds the kept parameters in groups of their own, so loading it directly is refused,
+    naming ds_to_universal, and the universal checkpoint that ds_to_universal makes of it loads exactly."""
+    world_size = 2
+
+    def test_pristine_checkpoint_moves_through_ds_to_universal(self, pristine_save_zero2):
+        import deepspeed.comm as dist
+        saved = _reference(pristine_save_zero2)
+        sinks = saved["params"]["attn.sinks"]
+        assert not torch.equal(sinks["master"], sinks["master"].bfloat16().float())
+        ckpt = os.path.join(pristine_save_zero2, "ckpt")
+
+        refused = engine(config(stage=2))  # "auto": the sinks and the norm in fp32
+        with pytest.raises(RuntimeError, match="keep_in_fp32_modules.*ds_to_universal.*load_universal"):
+            refused.load_checkpoint(ckpt)
+
+        if dist.get_rank() == 0:
+            to_universal(ckpt)
+        dist.barrier()
+        loaded = engine(config(stage=2, load_universal=True))
+        load_path, _ = loaded.load_checkpoint(ckpt)
+        assert load_path is not None and f"{TAG}_universal" in load_path, load_path
+        assert loaded.global_steps == STEPS
+        _check_loaded(loaded, saved["params"], KEPT_AUTO)
         _check_training_continues(loaded, KEPT_AUTO)
 
 

@@ -18,8 +18,8 @@ import deepspeed.comm as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from unit import tiny_hf_models
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _batch, _config, _engine, _gathered,
-                                                               _listed_names, _sinks, _train)
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _batch, _collective_dtypes, _config,
+                                                               _engine, _gathered, _listed_names, _sinks, _train)
 
 # The zero_optimization section of each stage; "zero1_bf16_optimizer" is ZeRO-1 with bf16 and fp32 gradient
 # accumulation, which the engine gives to its BF16 optimizer.
@@ -211,6 +211,30 @@ class TestStagesClipping(DistributedTest):
         assert norm == pytest.approx(expected.item(), rel=1e-3)
         assert norm > 1.0  # so the step was clipped
         _check_kept_and_updated(engine)
+
+
+class TestStagesStepCollectives(DistributedTest):
+    """The norm of the kept parameters' gradients is all-reduced with that of the other parameters of their param
+    group (ZeRO-1/2 and ZeRO-3 all-reduce one norm per group of one dtype): keeping parameters in fp32 adds no
+    all-reduce to a step."""
+    world_size = 2
+
+    @pytest.mark.parametrize("offload_optimizer", [False, True])
+    @pytest.mark.parametrize("stage", OPTIMIZER_OFFLOAD)
+    def test_step_adds_no_all_reduce(self, stage, offload_optimizer):
+        counts = {}
+        for keep in ("auto", []):
+            config = _stage_config(stage, keep=keep, offload_optimizer=offload_optimizer)
+            config["gradient_clipping"] = 1.0
+            engine = _stage_engine(stage, config)
+            _check_dtypes(engine.module, _listed_names(engine.module) if keep else [], torch.bfloat16)
+            _train(engine, config, steps=1)
+            loss = engine(_batch(1, config))
+            engine.backward(loss)
+            with _collective_dtypes("all_reduce") as calls:
+                engine.step()
+            counts[str(keep)] = len(calls)
+        assert counts["auto"] == counts["[]"] and counts["[]"] > 0, counts
 
 
 class TestStagesCheckpoint(DistributedTest):

@@ -11,7 +11,8 @@ patched dev tree (the venv's editable install). Each run is ``--steps`` training
 clipping) with ``--world-size`` ranks, one process per rank (torchrun; gloo on the CPU, NCCL on CUDA), in each
 stage of ``--stages`` (configs.py: ``0`` no ZeRO, the engine's fp16/bf16 optimizer (fp16: the unfused one, with
 torch Adam); ``1``, ``2``; ``3``; ``3-offload``: ``offload_param`` and ``offload_optimizer`` to the CPU; also
-``1-bf16opt``, ``2-offload``, ``3-offload-param``) and each precision of ``--precisions`` (default all four):
+``1-bf16opt``, ``2-offload``, ``3-offload-param``, ``0-fusedadam``: stage 0 with the config's Adam, FusedAdam in
+the engine's ``FP16_Optimizer``) and each precision of ``--precisions`` (default all four):
 
 * ``bf16``: ``"bf16": {"enabled": true}``, bf16 weights and fp32 masters;
 * ``fp16``: ``"fp16": {"enabled": true}`` with dynamic loss scaling (initial scale 2^8, window 100); on a CPU
@@ -175,9 +176,9 @@ def main():
     print(f"machine: {report.machine_line(machine)}")
     series = launch.dev_tree_state()
     print(f"series: build/deepspeed at {series}")
-    print(f"runs: {args.steps} steps, world size {args.world_size}, AdamW lr 1e-3 (torch), gradient clipping 1.0, "
-          f"micro batch 4 x 16 tokens; ZeRO-1/2: buckets of 50,000 elements; ZeRO-3: "
-          f"stage3_param_persistence_threshold 0; one process per rank (torchrun)")
+    print(f"runs: {args.steps} steps, world size {args.world_size}, AdamW lr 1e-3 (torch; 0-fusedadam: the "
+          f"config's Adam, fused), gradient clipping 1.0, micro batch 4 x 16 tokens; ZeRO-1/2: buckets of 50,000 "
+          f"elements; ZeRO-3: stage3_param_persistence_threshold 0; one process per rank (torchrun)")
     print("stages: " + "; ".join(f"{s} ({configs.STAGES.get(s) or configs.MORE_STAGES[s]})" for s in args.stages))
     print("precisions: " + "; ".join(f"{p} ({PRECISIONS[p]})" for p in args.precisions))
 

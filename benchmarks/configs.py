@@ -21,6 +21,7 @@ MORE_STAGES = {
     "1-bf16opt": "ZeRO-1 with data_types.grad_accum_dtype fp32: the BF16 optimizer (bf16 only)",
     "2-offload": "ZeRO-2, offload_optimizer to the CPU",
     "3-offload-param": "ZeRO-3, offload_param to the CPU, the optimizer on the device",
+    "0-fusedadam": "no ZeRO with the config's Adam: FusedAdam, in the engine's FP16_Optimizer",
 }
 DEFAULT_STAGES = tuple(STAGES)
 PRECISIONS = ("bf16", "fp16", "fp32", "autocast")
@@ -80,6 +81,9 @@ def ds_config(micro_batch, world_size, keep=UNSET, dtype="bf16", overrides=None,
         raise ValueError(dtype)
     if dtype == "fp16":
         config["fp16"].update({"initial_scale_power": 8, "loss_scale_window": 100})
+    if stage == "0-fusedadam":
+        # the engine builds the optimizer (worker.py passes none): AdamW as the client one, but fused
+        config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.0}}
     data_types = {}
     if stage == "1-bf16opt":
         data_types["grad_accum_dtype"] = "fp32"

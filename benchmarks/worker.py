@@ -60,8 +60,11 @@ def build_engine(spec, config):
             return engine(ids, ids)
 
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-3), weight_decay=0.0)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if "optimizer" in config:  # the engine builds it (configs.py: 0-fusedadam)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-3), weight_decay=0.0)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine, loss_fn
 
 

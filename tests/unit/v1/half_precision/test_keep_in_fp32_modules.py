@@ -215,6 +215,16 @@ def _collective_dtypes(name):
         setattr(dist, name, original)
 
 
+def _all_reduces_in_a_step(engine, config):
+    """How many all-reduces ``engine.step()`` makes, after a first step (which may set things up) and a backward."""
+    _train(engine, config, steps=1)
+    loss = engine(_batch(1, config))
+    engine.backward(loss)
+    with _collective_dtypes("all_reduce") as calls:
+        engine.step()
+    return len(calls)
+
+
 def _check_kept_and_updated(engine):
     """Every kept parameter moved below bf16's resolution, and the forward pass sees its master exactly."""
     for name, param in engine.module.named_parameters():
@@ -368,12 +378,7 @@ class TestStepCollectives(DistributedTest):
             config["gradient_clipping"] = 1.0
             engine = _engine(config)
             assert engine.module.attn.sinks.dtype == (torch.float32 if keep == "auto" else torch.bfloat16)
-            _train(engine, config, steps=1)
-            loss = engine(_batch(1, config))
-            engine.backward(loss)
-            with _collective_dtypes("all_reduce") as calls:
-                engine.step()
-            counts[str(keep)] = len(calls)
+            counts[str(keep)] = _all_reduces_in_a_step(engine, config)
         assert counts["auto"] == counts["[]"] and counts["[]"] > 0, counts
 
 

@@ -18,7 +18,7 @@ import deepspeed.comm as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from unit import tiny_hf_models
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _batch, _collective_dtypes, _config,
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _all_reduces_in_a_step, _batch, _config,
                                                                _engine, _gathered, _listed_names, _sinks, _train)
 
 # The zero_optimization section of each stage; "zero1_bf16_optimizer" is ZeRO-1 with bf16 and fp32 gradient
@@ -228,12 +228,7 @@ class TestStagesStepCollectives(DistributedTest):
             config["gradient_clipping"] = 1.0
             engine = _stage_engine(stage, config)
             _check_dtypes(engine.module, _listed_names(engine.module) if keep else [], torch.bfloat16)
-            _train(engine, config, steps=1)
-            loss = engine(_batch(1, config))
-            engine.backward(loss)
-            with _collective_dtypes("all_reduce") as calls:
-                engine.step()
-            counts[str(keep)] = len(calls)
+            counts[str(keep)] = _all_reduces_in_a_step(engine, config)
         assert counts["auto"] == counts["[]"] and counts["[]"] > 0, counts
 
 

@@ -261,7 +261,10 @@ def summarize(ranks, rounds=None):
 def theoretical_extra(stage, kept):
     """The issue's theoretical extra per rank of keeping, in bytes: a kept element's parameter and gradient are fp32
     (4 bytes) instead of bf16/fp16 (2) where the stage holds them; its fp32 master and Adam states are as large as
-    before (a design may alias the master with the fp32 parameter and save them: the measured column says).
+    before (a design may alias the master with the fp32 parameter and save them: the measured column says). Under
+    ZeRO-1/2 and the BF16 optimizer the series holds the kept masters and Adam moments whole on every rank, to save
+    the all-gather after the step: 12 bytes more per kept element outside the rank's share, which the measured
+    column shows above this theoretical extra.
 
     * parameters: +2 per kept element on every rank under ZeRO-0/1/2 (full parameters), +2 per element of the
       rank's partition under ZeRO-3 (with offload_param: in CPU memory);

@@ -6,7 +6,8 @@
 cover for them.
 
 - A checkpoint lays out its fp32 partitions and optimizer states per group of one dtype, so one saved keeping other
-  parameters in fp32 is refused, and ds_to_universal with checkpoint.load_universal moves it.
+  parameters in fp32 is refused, and ds_to_universal with checkpoint.load_universal moves it. Every rank holds the
+  kept groups whole (a partition count of 1): ds_to_universal takes them from one rank.
 - The features that cannot hold kept parameters are refused: elastic_checkpoint, kept parameters of an MoE expert
   param group, offload_states.
 - The gradient reduction options train with the kept parameters exact: a bucket of fp32 shared with the other
@@ -68,11 +69,13 @@ class TestCheckpointOfOtherLayout(DistributedTest):
         with pytest.raises(RuntimeError, match="keep_in_fp32_modules.*ds_to_universal.*load_universal"):
             engine.load_checkpoint(save_dir)
 
+    @pytest.mark.parametrize("saved_keep", [[], "auto"], ids=["saved_keeping_nothing", "saved_keeping"])
     @pytest.mark.parametrize("stage", STAGES + ["zero1_bf16_optimizer"])
-    def test_universal_checkpoint_of_nothing_kept_loads_keeping(self, stage, tmp_path):
-        # saved with nothing kept (the layout of 0.19.8), loaded keeping the model's list
+    def test_universal_checkpoint_loads_keeping(self, stage, saved_keep, tmp_path):
+        # saved with nothing kept (the layout of 0.19.8), or keeping the model's list (every rank holds the kept
+        # masters whole: ds_to_universal takes them once), loaded keeping the model's list
         save_dir = str(tmp_path / "ckpt")
-        saved = _save(stage, [], save_dir)
+        saved = _save(stage, saved_keep, save_dir)
         if dist.get_rank() == 0:
             to_universal(save_dir, TAG)
         dist.barrier()

@@ -9,7 +9,7 @@ cover for them.
   parameters in fp32 is refused, and ds_to_universal with checkpoint.load_universal moves it. Every rank holds the
   kept groups whole (a partition count of 1): ds_to_universal takes them from one rank.
 - The features that cannot hold kept parameters are refused: elastic_checkpoint, kept parameters of an MoE expert
-  param group, offload_states.
+  param group (also by the BF16 optimizer), offload_states.
 - The gradient reduction options train with the kept parameters exact: a bucket of fp32 shared with the other
   gradients (communication_data_type fp32), overlap_comm, contiguous_gradients off, round_robin_gradients.
 """
@@ -22,7 +22,8 @@ import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from unit.checkpoint._keep_in_fp32_checkpoint_run import to_universal
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _gathered, _listed_names, _sinks, _train)
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _build, _gathered, _listed_names, _sinks,
+                                                               _train)
 from unit.v1.half_precision.test_keep_in_fp32_stages import (_check_dtypes, _check_kept_and_updated, _masters,
                                                              _stage_config, _stage_engine)
 
@@ -99,6 +100,40 @@ class TestCheckpointOfOtherLayout(DistributedTest):
         assert not torch.equal(after, sinks) and torch.equal(after.bfloat16(), sinks.bfloat16())
 
 
+class TestWholeKeptGroupsInCheckpoints(DistributedTest):
+    """Every rank holds the groups of kept parameters whole (a partition count of 1): the tools that merge the ranks'
+    fp32 partitions take them once."""
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", ["zero2", "zero1_bf16_optimizer"])
+    def test_zero_to_fp32_with_only_kept_params_trained(self, stage, tmp_path):
+        # no group of the training dtype tells the data parallel size: the files do
+        config = _stage_config(stage)
+        model = _build(config, zero_init=False)
+        kept = _listed_names(model)
+        for name, param in model.named_parameters():
+            param.requires_grad_(name in kept)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        _train(engine, config, steps=2)
+        engine.save_checkpoint(str(tmp_path))
+        masters = {name: value for name, value in _masters(engine).items() if name in kept}
+        if dist.get_rank() == 0:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+            for name, master in masters.items():
+                assert torch.equal(state_dict[name], master), name
+        dist.barrier()
+
+    def test_merging_data_parallel_ranks_is_refused(self, tmp_path):
+        from deepspeed.checkpoint import DeepSpeedCheckpoint
+        _save("zero2", "auto", str(tmp_path))
+        if dist.get_rank() == 0:
+            checkpoint = DeepSpeedCheckpoint(str(tmp_path / TAG), dp_degree=1)
+            with pytest.raises(ValueError, match="keep_in_fp32_modules.*ds_to_universal.*load_universal"):
+                checkpoint.get_zero_checkpoint_state(pp_index=0, tp_index=0, dp_index=0)
+        dist.barrier()
+
+
 class Expert(torch.nn.Module):
 
     def __init__(self, hidden):
@@ -138,16 +173,18 @@ class TestRefusals(DistributedTest):
         with pytest.raises(NotImplementedError, match="offload_states.*keep_in_fp32_modules"):
             engine.offload_states()
 
-    def test_kept_expert_params(self):
+    @pytest.mark.parametrize("stage, message", [("zero2", "keeps 2 parameters of the MoE expert param group"),
+                                                ("zero1_bf16_optimizer", "keeps parameters of the MoE expert")])
+    def test_kept_expert_params(self, stage, message):
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-        config = _stage_config("zero2")
+        config = _stage_config(stage)
         torch.manual_seed(42)
         model = MoENet()
         groups = split_params_into_different_moe_groups_for_optimizer({
             "params": list(model.parameters()),
             "name": "p"
         })
-        with pytest.raises(ValueError, match="keeps 2 parameters of the MoE expert param group"):
+        with pytest.raises(ValueError, match=f"{message}.*keep_in_fp32_modules to \\[\\]"):
             deepspeed.initialize(model=model, model_parameters=groups, config=config)
 
 

@@ -669,6 +669,8 @@ class TestNothingKeptIsPristine(DistributedTest):
     }),
     ("bf16_master_weights_and_grads", {}),
     ("Muon", {}),
+    ("Muon optimizer", {}),  # a client MuonWithAuxAdam
+    ("compile.deepcompile", {}),
 ])
 class TestFeaturesThatRoundKeptParams(DistributedTest):
     """A ZeRO-3 feature that would round the kept parameters to bf16 is refused, naming both ways out."""
@@ -680,8 +682,19 @@ class TestFeaturesThatRoundKeptParams(DistributedTest):
             config["bf16"]["bf16_master_weights_and_grads"] = True
         if feature == "Muon":
             config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-5}}
+        if feature == "compile.deepcompile":
+            config["compile"] = {"deepcompile": True}
         with pytest.raises(ValueError, match=rf"keep_in_fp32_modules keeps 4 parameters.*{feature}") as error:
-            _engine(config, zero_init=False)
+            if feature == "Muon optimizer":
+                from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+                model = _build(config, zero_init=False)
+                for param in model.parameters():
+                    param.use_muon = param.ndim == 2
+                groups = [{"params": [p for p in model.parameters() if p.use_muon == use_muon], "use_muon": use_muon}
+                          for use_muon in (True, False)]
+                deepspeed.initialize(model=model, optimizer=MuonWithAuxAdam(groups), config=config)
+            else:
+                _engine(config, zero_init=False)
         assert "keep_in_fp32_modules to []" in str(error.value)
 
 

@@ -6,7 +6,7 @@ export DS_ACCELERATOR ?= cpu
 # A tag for the wheel's version: deepspeed-0.19.8+$(TAG).
 TAG ?= keepfp32
 
-.PHONY: setup refresh check test test-all test-pristine wheel demo bench study clean
+.PHONY: setup refresh check test test-all test-pristine test-upstream gpu-check wheel demo bench study clean
 
 setup:
 	@tools/setup
@@ -25,6 +25,14 @@ test-all: setup
 
 test-pristine: setup
 	@tools/test --pristine $(ARGS)
+
+# Upstream DeepSpeed's own tests against stock 0.19.8 and the series (UPSTREAM=path to a DeepSpeed tests/ tree).
+test-upstream: setup
+	@tools/test-upstream $(ARGS)
+
+# The GPU check (CUDA when present; DS_ACCELERATOR=cpu runs it on the CPU, as CI does in its short form).
+gpu-check: setup
+	@tools/gpu-check $(ARGS)
 
 wheel: setup
 	@tools/wheel $(TAG)

@@ -247,16 +247,22 @@ def _backend_collectives():
             setattr(cdb, name, collective)
 
 
+# The stages whose optimizer partitions the kept fp32 masters over the data parallel ranks and all-gathers the
+# updated partitions after the step, as it does the training dtype's (ZeRO-3 gathers parameters of both dtypes in one
+# collective at the next fetch, and stage 0 does not partition).
+GATHERS_KEPT_PARTITIONS = ["zero1", "zero2", "zero1_bf16_optimizer"]
+
+
 class TestStagesStepCollectives(DistributedTest):
-    """Keeping parameters in fp32 adds at most one collective to a training step, in every stage: the reduction of
-    their fp32 gradients. Their gradient norm joins the all-reduce of the other parameters' norm (ZeRO-1/2 and ZeRO-3
-    all-reduce one norm per group of one dtype), and ZeRO-1/2 and the BF16 optimizer hold their fp32 masters whole on
-    every rank, so nothing is all-gathered after the step."""
+    """Keeping parameters in fp32 adds one reduction to a training step, in every stage: that of their fp32
+    gradients, and their gradient norm joins the all-reduce of the other parameters' norm. ZeRO-1/2 and the BF16
+    optimizer partition the kept fp32 masters like every other group, so their updated partitions are all-gathered
+    after the step: one collective more there."""
     world_size = 2
 
     @pytest.mark.parametrize("stage, offload_optimizer", [(stage, False) for stage in STAGES] +
                              [(stage, True) for stage in OPTIMIZER_OFFLOAD])
-    def test_step_adds_at_most_one_collective(self, stage, offload_optimizer):
+    def test_step_adds_one_reduction(self, stage, offload_optimizer):
         calls = {}
         for keep in ("auto", []):
             config = _stage_config(stage, keep=keep, offload_optimizer=offload_optimizer)
@@ -268,7 +274,8 @@ class TestStagesStepCollectives(DistributedTest):
                 _train(engine, config, steps=1)
         added = collections.Counter(calls["auto"])
         added.subtract(collections.Counter(calls["[]"]))
-        assert calls["[]"] and len(calls["auto"]) <= len(calls["[]"]) + 1, dict(added)
+        allowed = 2 if stage in GATHERS_KEPT_PARTITIONS else 1
+        assert calls["[]"] and len(calls["auto"]) <= len(calls["[]"]) + allowed, dict(added)
 
 
 class TestStagesCheckpoint(DistributedTest):

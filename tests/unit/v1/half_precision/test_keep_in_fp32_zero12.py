@@ -6,8 +6,9 @@
 cover for them.
 
 - A checkpoint lays out its fp32 partitions and optimizer states per group of one dtype, so one saved keeping other
-  parameters in fp32 is refused, and ds_to_universal with checkpoint.load_universal moves it. Every rank holds the
-  kept groups whole (a partition count of 1): ds_to_universal takes them from one rank.
+  parameters in fp32 is refused, and ds_to_universal with checkpoint.load_universal moves it.
+- The kept groups are partitioned over the data parallel ranks like every other group: optimizer memory divides by
+  the data parallel size, kept parameters included.
 - The features that cannot hold kept parameters are refused: elastic_checkpoint, kept parameters of an MoE expert
   param group (also by the BF16 optimizer), offload_states.
 - The gradient reduction options train with the kept parameters exact: a bucket of fp32 shared with the other
@@ -22,8 +23,8 @@ import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from unit.checkpoint._keep_in_fp32_checkpoint_run import to_universal
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _build, _gathered, _listed_names, _sinks,
-                                                               _train)
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, _build, _engine, _gathered,
+                                                               _listed_names, _sinks, _train)
 from unit.v1.half_precision.test_keep_in_fp32_stages import (_check_dtypes, _check_kept_and_updated, _masters,
                                                              _stage_config, _stage_engine)
 
@@ -73,8 +74,8 @@ class TestCheckpointOfOtherLayout(DistributedTest):
     @pytest.mark.parametrize("saved_keep", [[], "auto"], ids=["saved_keeping_nothing", "saved_keeping"])
     @pytest.mark.parametrize("stage", STAGES + ["zero1_bf16_optimizer"])
     def test_universal_checkpoint_loads_keeping(self, stage, saved_keep, tmp_path):
-        # saved with nothing kept (the layout of 0.19.8), or keeping the model's list (every rank holds the kept
-        # masters whole: ds_to_universal takes them once), loaded keeping the model's list
+        # saved with nothing kept (the layout of 0.19.8), or keeping the model's list, loaded keeping the model's
+        # list
         save_dir = str(tmp_path / "ckpt")
         saved = _save(stage, saved_keep, save_dir)
         if dist.get_rank() == 0:
@@ -100,14 +101,44 @@ class TestCheckpointOfOtherLayout(DistributedTest):
         assert not torch.equal(after, sinks) and torch.equal(after.bfloat16(), sinks.bfloat16())
 
 
-class TestWholeKeptGroupsInCheckpoints(DistributedTest):
-    """Every rank holds the groups of kept parameters whole (a partition count of 1): the tools that merge the ranks'
-    fp32 partitions take them once."""
+class CastLinear(torch.nn.Linear):
+    """Computes in the dtype of its weight (fp32 when kept), as a kept lm_head does."""
+
+    def forward(self, h):
+        return super().forward(h.to(self.weight.dtype)).to(h.dtype)
+
+
+class LmHeadNet(SinkNet):
+
+    def __init__(self):
+        super().__init__()
+        self.out = CastLinear(self.out.in_features, 64)
+
+
+class TestKeptGroupsArePartitioned(DistributedTest):
+    """The groups of kept parameters are partitioned over the data parallel ranks like the others: each rank holds
+    its share of their fp32 masters and optimizer states, however much of the model is kept."""
     world_size = 2
+
+    @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero1_bf16_optimizer"])
+    def test_optimizer_states_divide_by_the_data_parallel_size(self, stage):
+        # the model lists its output projection, as HY-V4 lists lm_head: 673 of 853 elements kept
+        config = _stage_config(stage, keep=["out", "sink", "norm"])
+        engine = _engine(config, model_cls=LmHeadNet, zero_init=False)
+        total = sum(p.numel() for p in engine.module.parameters())
+        kept = sum(p.numel() for p in engine.module.parameters() if p.dtype == torch.float32)
+        assert kept == 673, kept
+        _train(engine, config, steps=1)
+        optimizer = engine.optimizer.optimizer
+        masters = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+        moments = sum(optimizer.state[p]["exp_avg"].numel() for group in optimizer.param_groups
+                      for p in group["params"])
+        # the rank's share, and the padding that aligns each flat group's partitions
+        share = total / dist.get_world_size() + 4 * len(optimizer.param_groups)
+        assert masters <= share and moments <= share, (masters, moments, share)
 
     @pytest.mark.parametrize("stage", ["zero2", "zero1_bf16_optimizer"])
     def test_zero_to_fp32_with_only_kept_params_trained(self, stage, tmp_path):
-        # no group of the training dtype tells the data parallel size: the files do
         config = _stage_config(stage)
         model = _build(config, zero_init=False)
         kept = _listed_names(model)
@@ -122,15 +153,6 @@ class TestWholeKeptGroupsInCheckpoints(DistributedTest):
             state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
             for name, master in masters.items():
                 assert torch.equal(state_dict[name], master), name
-        dist.barrier()
-
-    def test_merging_data_parallel_ranks_is_refused(self, tmp_path):
-        from deepspeed.checkpoint import DeepSpeedCheckpoint
-        _save("zero2", "auto", str(tmp_path))
-        if dist.get_rank() == 0:
-            checkpoint = DeepSpeedCheckpoint(str(tmp_path / TAG), dp_degree=1)
-            with pytest.raises(ValueError, match="keep_in_fp32_modules.*ds_to_universal.*load_universal"):
-                checkpoint.get_zero_checkpoint_state(pp_index=0, tp_index=0, dp_index=0)
         dist.barrier()
 
 
@@ -173,8 +195,7 @@ class TestRefusals(DistributedTest):
         with pytest.raises(NotImplementedError, match="offload_states.*keep_in_fp32_modules"):
             engine.offload_states()
 
-    @pytest.mark.parametrize("stage, message", [("zero2", "keeps 2 parameters of the MoE expert param group"),
-                                                ("zero1_bf16_optimizer", "keeps parameters of the MoE expert")])
+    @pytest.mark.parametrize("stage, message", [("zero2", "keeps 2 parameters of the MoE expert param group")])
     def test_kept_expert_params(self, stage, message):
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
         config = _stage_config(stage)

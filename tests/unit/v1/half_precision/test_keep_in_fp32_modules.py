@@ -643,61 +643,6 @@ class TestNothingKeptIsPristine(DistributedTest):
         assert any(t is buffer for t in unpinned)
 
 
-@pytest.mark.parametrize("feature, zero", [
-    ("zero_quantized_gradients", {
-        "zero_quantized_gradients": True
-    }),
-    ("zero_quantized_weights", {
-        "zero_quantized_weights": True
-    }),
-    ("zero_quantized_nontrainable_weights", {
-        "zero_quantized_nontrainable_weights": True
-    }),
-    ("super_offload", {
-        "offload_optimizer": {
-            "device": "cpu",
-            "super_offload": True
-        }
-    }),
-    ("zenflow", {
-        "offload_optimizer": {
-            "device": "cpu"
-        },
-        "zenflow": {
-            "topk_ratio": 0.5
-        }
-    }),
-    ("bf16_master_weights_and_grads", {}),
-    ("Muon", {}),
-    ("Muon optimizer", {}),  # a client MuonWithAuxAdam
-    ("compile.deepcompile", {}),
-])
-class TestFeaturesThatRoundKeptParams(DistributedTest):
-    """A ZeRO-3 feature that would round the kept parameters to bf16 is refused, naming both ways out."""
-    world_size = 2
-
-    def test_refused_at_initialize(self, feature, zero):
-        config = _config(**zero)
-        if feature == "bf16_master_weights_and_grads":
-            config["bf16"]["bf16_master_weights_and_grads"] = True
-        if feature == "Muon":
-            config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-5}}
-        if feature == "compile.deepcompile":
-            config["compile"] = {"deepcompile": True}
-        with pytest.raises(ValueError, match=rf"keep_in_fp32_modules keeps 4 parameters.*{feature}") as error:
-            if feature == "Muon optimizer":
-                from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-                model = _build(config, zero_init=False)
-                for param in model.parameters():
-                    param.use_muon = param.ndim == 2
-                groups = [{"params": [p for p in model.parameters() if p.use_muon == use_muon], "use_muon": use_muon}
-                          for use_muon in (True, False)]
-                deepspeed.initialize(model=model, optimizer=MuonWithAuxAdam(groups), config=config)
-            else:
-                _engine(config, zero_init=False)
-        assert "keep_in_fp32_modules to []" in str(error.value)
-
-
 class Block(torch.nn.Module):
 
     def __init__(self):
@@ -740,12 +685,22 @@ class TestOneRuleForNames(DistributedTest):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         assert _kept_names(engine.module) == {"norm.weight", "norm.bias"}
 
-    @pytest.mark.parametrize("init_keep, engine_keep", [([], "auto"), (["sink"], ["norm"])])
-    def test_keeping_what_zero_init_rounded_is_refused(self, init_keep, engine_keep):
-        with deepspeed.zero.Init(config_dict_or_path=_config(keep=init_keep)):
+    def test_keeping_what_zero_init_rounded_is_refused(self):
+        with deepspeed.zero.Init(config_dict_or_path=_config(keep=["sink"])):
             model = SinkNet()
         with pytest.raises(ValueError, match=r"keeps \d parameters in fp32 that zero.Init made in torch.bfloat16"):
-            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(keep=engine_keep))
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(keep=["norm"]))
+
+    def test_auto_keeps_what_zero_init_rounded_with_a_warning(self):
+        # the default never stops a run that 0.19.8 trains: the norms train in fp32 from their rounded values
+        with deepspeed.zero.Init(config_dict_or_path=_config(keep=[])):
+            model = SinkNet()
+        records = _capture_warnings()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config())
+        messages = [r.getMessage() for r in records if "rounded already" in r.getMessage()]
+        assert len(messages) == 1 and "train in fp32 from their rounded values" in messages[0], messages
+        assert _kept_names(engine.module) == _listed_names(engine.module)
+        _train(engine, _config(), steps=1)
 
     def test_what_zero_init_kept_and_the_run_does_not_trains_as_before(self):
         # zero.Init given "auto" (or no config) keeps the model's own lists; a run that keeps nothing trains as

@@ -15,7 +15,7 @@ import torch
 import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, _batch, _build,
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, _batch,
                                                               _check_kept_and_updated, _check_dtypes, _config, _engine,
                                                               _gathered, _listed_names, _train)
 
@@ -156,18 +156,3 @@ class TestOffloadedCheckpoints(DistributedTest):
         assert steps == [4] * len(steps), steps
         if loaded_keep == "auto":
             _check_kept_and_updated(loaded)
-
-
-class TestNvmeParamOffload(DistributedTest):
-    """The NVMe parameter swapper holds partitions of one dtype: keeping parameters in fp32 there is refused, with
-    both ways out, whether the list is the model's own or explicit."""
-    world_size = 1
-
-    @pytest.mark.parametrize("keep", ["auto", ["sink"]])
-    def test_refused_naming_both_options(self, keep, tmp_path):
-        config = _config(keep=keep, offload_param={"device": "nvme", "nvme_path": str(tmp_path)})
-        model = _build(config, zero_init=False)
-        with pytest.raises(ValueError,
-                           match=r"keep_in_fp32_modules keeps \d+ parameters in fp32, but zero_optimization\."
-                           r"offload_param with device nvme .*device to cpu.*keep_in_fp32_modules to \[\]"):
-            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -35,7 +35,7 @@ class TestKeptGradientsReducedInFp32(DistributedTest):
         engine.step()
 
 
-class TestRefusals(DistributedTest):
+class TestFusedAdamKeepsNothing(DistributedTest):
     world_size = 1
 
     def test_fused_adam_without_zero_keeps_nothing_with_empty_list(self):
@@ -45,24 +45,6 @@ class TestRefusals(DistributedTest):
         _check_dtypes(engine.module, set(), torch.float16)
         assert len(engine.optimizer.fp32_groups_flat) == len(engine.optimizer.param_groups) == 1
 
-    def test_legacy_fusion_with_auto_trains_listed_params_in_half(self):
-        # optimizer.legacy_fusion steps one flat buffer per param group: "auto" falls back to training them in bf16
-        config = _fused_config("bf16")
-        config["optimizer"]["legacy_fusion"] = True
-        engine = _stage_engine("zero0", config)
-        _check_dtypes(engine.module, set(), torch.bfloat16)
-
-    @pytest.mark.parametrize("optimizer", ["legacy_fusion", "Lamb"])
-    def test_fused_step_with_explicit_list_is_refused(self, optimizer):
-        config = _fused_config("bf16", keep=["sink"])
-        if optimizer == "Lamb":
-            config["optimizer"]["type"] = "Lamb"
-            way_out = "another optimizer"
-        else:
-            config["optimizer"]["legacy_fusion"] = True
-            way_out = "legacy_fusion to false"
-        with pytest.raises(ValueError, match=f"keep_in_fp32_modules names.*without ZeRO.*{way_out}.*to \\[\\]"):
-            _stage_engine("zero0", config)
 
 
 def _fused_config(dtype, keep="auto"):

@@ -9,8 +9,7 @@ cover for them.
   parameters in fp32 is refused, and ds_to_universal with checkpoint.load_universal moves it.
 - The kept groups are partitioned over the data parallel ranks like every other group: optimizer memory divides by
   the data parallel size, kept parameters included.
-- The features that cannot hold kept parameters are refused: elastic_checkpoint, kept parameters of an MoE expert
-  param group (also by the BF16 optimizer), offload_states.
+- offload_states is refused (test_keep_in_fp32_features.py has elastic_checkpoint and MoE expert param groups).
 - The gradient reduction options train with the kept parameters exact: a bucket of fp32 shared with the other
   gradients (communication_data_type fp32), overlap_comm, contiguous_gradients off, round_robin_gradients.
 """
@@ -179,34 +178,14 @@ class MoENet(torch.nn.Module):
         return self.moe(x)[0].float().pow(2).mean()
 
 
-class TestRefusals(DistributedTest):
+class TestOffloadStates(DistributedTest):
     world_size = 2
-
-    def test_elastic_checkpoint(self):
-        config = _stage_config("zero2")
-        config["zero_optimization"]["elastic_checkpoint"] = True
-        with pytest.raises(ValueError, match="keeps 4 parameters in fp32.*elastic_checkpoint"):
-            _stage_engine("zero2", config)
-        config["data_types"] = {"keep_in_fp32_modules": []}
-        _stage_engine("zero2", config)
 
     def test_offload_states(self):
         engine = _stage_engine("zero2", _stage_config("zero2"))
         with pytest.raises(NotImplementedError, match="offload_states.*keep_in_fp32_modules"):
             engine.offload_states()
 
-    @pytest.mark.parametrize("stage, message", [("zero2", "keeps 2 parameters of the MoE expert param group")])
-    def test_kept_expert_params(self, stage, message):
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-        config = _stage_config(stage)
-        torch.manual_seed(42)
-        model = MoENet()
-        groups = split_params_into_different_moe_groups_for_optimizer({
-            "params": list(model.parameters()),
-            "name": "p"
-        })
-        with pytest.raises(ValueError, match=f"{message}.*keep_in_fp32_modules to \\[\\]"):
-            deepspeed.initialize(model=model, model_parameters=groups, config=config)
 
 
 # (the options, whether the fast subset runs them)

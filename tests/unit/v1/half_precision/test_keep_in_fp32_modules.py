@@ -726,6 +726,17 @@ class TestBadInput(DistributedTest):
         with pytest.raises(DeepSpeedConfigError, match=r"keep_in_fp32_modules: 'norm\[' is not a valid"):
             _engine(_config(keep=["norm["]), zero_init=False)
 
+    @pytest.mark.parametrize("keep", [[""], ["sink", ""]])
+    def test_empty_pattern_is_refused(self, keep):
+        # it would match every name, and keep the whole model in fp32
+        from deepspeed.runtime.config import DeepSpeedConfigError
+        with pytest.raises(DeepSpeedConfigError, match="keep_in_fp32_modules: an empty name pattern matches every"):
+            _engine(_config(keep=keep), zero_init=False)
+
+    def test_whether_parameters_are_kept_is_decided_at_initialize(self):
+        engine = _engine(_config(keep=["sink"], stage=0), zero_init=False)
+        assert vars(engine).get("_keeps_params_in_fp32") is True
+
     def test_pattern_matching_nothing_warns_once(self):
         records = _capture_warnings()
         engine = _engine(_config(keep=["sinkk", "norm"]))

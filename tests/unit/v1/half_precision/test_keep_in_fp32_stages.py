@@ -21,8 +21,8 @@ import deepspeed.comm as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from unit import tiny_hf_models
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _batch, _config, _engine, _gathered,
-                                                               _listed_names, _sinks, _train)
+from unit.v1.half_precision.test_keep_in_fp32_modules import (HIDDEN, SINK_VALUES, Norm, _batch, _config, _engine,
+                                                               _gathered, _listed_names, _sinks, _train)
 
 # The zero_optimization section of each stage; "zero1_bf16_optimizer" is ZeRO-1 with bf16 and fp32 gradient
 # accumulation, which the engine gives to its BF16 optimizer.
@@ -276,6 +276,48 @@ class TestStagesStepCollectives(DistributedTest):
         added.subtract(collections.Counter(calls["[]"]))
         allowed = 2 if stage in GATHERS_KEPT_PARTITIONS else 1
         assert calls["[]"] and len(calls["auto"]) <= len(calls["[]"]) + allowed, dict(added)
+
+
+class InterleavedNorms(torch.nn.Module):
+    """Four layers, each a bf16 linear and a listed norm: backward meets a kept gradient after every other one."""
+    _keep_in_fp32_modules_strict = ["norm"]
+
+    def __init__(self, layers=4):
+        super().__init__()
+        self.lins = torch.nn.ModuleList([torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(layers)])
+        self.norms = torch.nn.ModuleList([Norm(HIDDEN) for _ in range(layers)])
+
+    def forward(self, x):
+        h = x
+        for lin, norm in zip(self.lins, self.norms):
+            h = norm(lin(h)).to(x.dtype)
+        return h.float().pow(2).mean()
+
+
+class TestFp32CommunicationBuckets(DistributedTest):
+    """With communication_data_type fp32 the other parameters' gradients are reduced in fp32 too, but the kept ones
+    still have a bucket of their own: keeping adds one reduction per step, not one at every switch between a kept
+    parameter and another in backward."""
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", ["zero2", "zero3"])
+    def test_one_reduction_more(self, stage):
+        calls = {}
+        for keep in ("auto", []):
+            config = _config(keep=keep) if stage == "zero3" else _stage_config(stage, keep=keep)
+            config["communication_data_type"] = "fp32"
+            torch.manual_seed(42)
+            model = InterleavedNorms()
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            assert all((p.dtype == torch.float32) == (keep == "auto" and "norms" in n)
+                       for n, p in engine.module.named_parameters())
+            _train(engine, config, steps=1)
+            with _backend_collectives() as calls[str(keep)]:
+                _train(engine, config, steps=1)
+        added = collections.Counter(calls["auto"])
+        added.subtract(collections.Counter(calls["[]"]))
+        allowed = 2 if stage in GATHERS_KEPT_PARTITIONS else 1
+        assert len(calls["auto"]) <= len(calls["[]"]) + allowed, dict(added)
 
 
 class TestStagesCheckpoint(DistributedTest):

@@ -300,7 +300,13 @@ class TestFp32CommunicationBuckets(DistributedTest):
     parameter and another in backward."""
     world_size = 2
 
-    @pytest.mark.parametrize("stage", ["zero2", "zero3"])
+    @pytest.mark.parametrize("stage", [
+        pytest.param("zero2",
+                     marks=pytest.mark.xfail(strict=True,
+                                             reason="ZeRO-1/2 still flush their shared fp32 bucket at every switch "
+                                             "between a kept gradient and another (ipg_buckets are keyed by "
+                                             "communication dtype throughout stage_1_and_2)")), "zero3"
+    ])
     def test_one_reduction_more(self, stage):
         calls = {}
         for keep in ("auto", []):

@@ -185,3 +185,89 @@ def current_rss_bytes():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+class StepGradRecorder:
+    """Records, each time the basic (torch) optimizer steps, the gradient each of its parameters holds at that
+    moment: under ZeRO-1/2/3 and the BF16 optimizer, the fp32 gradient partition of each flat master partition
+    (``id(master) -> (numel, bytes, dtype)``). Wraps the instance's ``step``; the last step's values stay."""
+
+    def __init__(self, basic):
+        self.grads = {}
+        step = basic.step
+
+        def recording_step(*args, **kwargs):
+            for group in basic.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self.grads[id(p)] = (p.grad.numel(), p.grad.numel() * p.grad.element_size(),
+                                             str(p.grad.dtype).replace("torch.", ""))
+            return step(*args, **kwargs)
+
+        basic.step = recording_step
+
+
+def _master_partitions(opt):
+    """(kind, the flat fp32 master partitions of this rank, whether each belongs to a group of kept parameters,
+    the full flat fp32 gradient buffer of each group or None) of DeepSpeed's optimizer wrapper ``opt``, for ZeRO-1/2
+    (``single_partition_of_fp32_groups``), the BF16 optimizer (``fp32_groups_flat_partition``) and ZeRO-3
+    (``fp32_partitioned_groups_flat``); pristine 0.19.8 has no kept groups."""
+    if hasattr(opt, "fp32_groups_flat_partition") and hasattr(opt, "bf16_groups"):
+        masters = list(opt.fp32_groups_flat_partition)
+        kept = list(getattr(opt, "sub_group_kept_in_fp32", []) or [False] * len(masters))
+        return "bf16_optimizer", masters, kept, list(opt.fp32_groups_gradients_flat)
+    if hasattr(opt, "single_partition_of_fp32_groups"):
+        masters = list(opt.single_partition_of_fp32_groups)
+        if getattr(opt, "kept_param_ids", None):
+            kept = [opt._kept_group(i) for i in range(len(masters))]
+        else:
+            kept = [False] * len(masters)
+        return "zero1_2", masters, kept, [None] * len(masters)
+    if hasattr(opt, "fp32_partitioned_groups_flat"):
+        masters = list(opt.fp32_partitioned_groups_flat)
+        if getattr(opt, "kept_param_ids", None):
+            kept = [opt._kept_in_fp32(opt.fp16_groups[i][0]) for i in range(len(masters))]
+        else:
+            kept = [False] * len(masters)
+        return "zero3", masters, kept, [None] * len(masters)
+    raise ValueError(f"no flat fp32 master partitions in {type(opt).__name__}")
+
+
+def optimizer_partitions(engine, step_grads):
+    """Per flat group of DeepSpeed's optimizer, what this rank holds: its fp32 master partition (elements, bytes),
+    the basic optimizer's states of it (Adam's exp_avg and exp_avg_sq: tensors of one or more dimensions), the fp32
+    gradient partition it held at the last optimizer step (``step_grads``: a StepGradRecorder's), and whether the
+    group is one of parameters kept in fp32. ZeRO-3: whether the master is the parameter partition itself; the BF16
+    optimizer: its full flat gradient buffer (every group has one, of all the group's elements)."""
+    import torch
+    opt = engine.optimizer
+    basic = opt.optimizer
+    kind, masters, kept, grad_buffers = _master_partitions(opt)
+    groups = []
+    for i, master in enumerate(masters):
+        state = basic.state.get(master, {})
+        states = {k: v.numel() * v.element_size() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim()}
+        grad = step_grads.get(id(master))
+        entry = {
+            "kept": bool(kept[i]),
+            "master_numel": master.numel(),
+            "master_bytes": master.numel() * master.element_size(),
+            "master_dtype": str(master.dtype).replace("torch.", ""),
+            "state_bytes": sum(states.values()),
+            "states": sorted(states),
+            "grad_numel": grad[0] if grad else 0,
+            "grad_bytes": grad[1] if grad else 0,
+            "grad_dtype": grad[2] if grad else None,
+        }
+        if grad_buffers[i] is not None:
+            entry["full_grad_buffer_bytes"] = grad_buffers[i].numel() * grad_buffers[i].element_size()
+        if kind == "zero3":
+            entry["master_is_param_partition"] = master.data_ptr() == opt.fp16_partitioned_groups_flat[i].data_ptr()
+            entry["group_full_numel"] = sum(p.ds_numel for p in opt.fp16_groups[i])
+        else:
+            flat = (opt.bf16_groups_flat if kind == "bf16_optimizer" else opt.bit16_groups_flat)[i]
+            entry["group_full_numel"] = sum(p.numel() for p in
+                                            (opt.bf16_groups if kind == "bf16_optimizer" else opt.bit16_groups)[i])
+            entry["group_flat_numel"] = flat.numel()
+        groups.append(entry)
+    return {"kind": kind, "groups": groups}

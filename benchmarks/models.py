@@ -111,6 +111,44 @@ def make_tiny_net(dim, layers, keep_per_block, vocab=VOCAB):
     return TinyNet()
 
 
+def make_lm_head_net(dim=64, vocab_out=8192, layers=1, vocab=VOCAB):
+    """A small torch language model whose output projection ``lm_head`` (``dim`` x ``vocab_out``, 64 x 8192 by
+    default: 524,288 of its 545,152 elements) dominates, as in models that list their ``lm_head`` for fp32; the
+    benchmark lists it with ``keep_in_fp32_modules: ["lm_head"]``. The head computes in its weight's dtype (fp32
+    when kept). Inputs are token ids below ``vocab``; the loss is cross-entropy over ``vocab_out`` classes."""
+    import torch
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(dim, dim, bias=False)
+            self.norm = torch.nn.LayerNorm(dim)
+
+        def forward(self, h):
+            return h + torch.tanh(self.proj(self.norm(h)))
+
+    class LmHeadNet(torch.nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, dim)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
+            self.final_norm = torch.nn.LayerNorm(dim)
+            self.lm_head = torch.nn.Linear(dim, vocab_out, bias=False)
+
+        def forward(self, input_ids, labels):
+            h = self.embed(input_ids)
+            for block in self.blocks:
+                h = block(h)
+            h = self.final_norm(h)
+            logits = F.linear(h.to(self.lm_head.weight.dtype), self.lm_head.weight).float()
+            return F.cross_entropy(logits[:, :-1].reshape(-1, vocab_out), labels[:, 1:].reshape(-1))
+
+    return LmHeadNet()
+
+
 if __name__ == "__main__":
     import transformers
     transformers.utils.logging.disable_progress_bar()

@@ -19,9 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from counters import CommCounter, current_rss_bytes, held_bytes, live_tensor_bytes, peak_rss_bytes
+from counters import (CommCounter, StepGradRecorder, current_rss_bytes, held_bytes, live_tensor_bytes,
+                      optimizer_partitions, peak_rss_bytes)
 from launch import DEV_TREE, PRISTINE
-from models import HF_MODELS, VOCAB, make_tiny_net, tiny_hf_models
+from models import HF_MODELS, VOCAB, make_lm_head_net, make_tiny_net, tiny_hf_models
 
 
 def _exit_with_parent():
@@ -52,6 +53,12 @@ def build_engine(spec, config):
 
         def loss_fn(engine, ids):
             return engine(input_ids=ids, labels=ids).loss
+    elif spec["model"] == "lm_head_net":
+        with deepspeed.zero.Init(config_dict_or_path=config, enabled=config["zero_optimization"]["stage"] == 3):
+            model = make_lm_head_net(spec["dim"], spec["vocab_out"], spec["layers"])
+
+        def loss_fn(engine, ids):
+            return engine(ids, ids)
     else:
         with deepspeed.zero.Init(config_dict_or_path=config, enabled=config["zero_optimization"]["stage"] == 3):
             model = make_tiny_net(spec["dim"], spec["layers"], spec["keep_per_block"])
@@ -216,6 +223,8 @@ def worker_main(spec_path):
     kept_elements = sum(_numel(p) for _, p in fp32_params)
 
     counter = CommCounter()
+    # kept_memory.py: the fp32 gradient partition each flat master partition holds at the optimizer step
+    step_grads = StepGradRecorder(zero_opt.optimizer) if spec.get("kept_memory") else None
     gen = torch.Generator().manual_seed(spec["seed"] * 1000 + rank)
     total_steps = spec["warmup"] + spec["steps"]
     batches = [torch.randint(0, VOCAB, (micro_batch, seq), generator=gen) for _ in range(total_steps + 2)]
@@ -301,6 +310,8 @@ def worker_main(spec_path):
             result["allocated_bytes"] = acc.memory_allocated()
             result["allocator_peak_bytes"] = acc.max_memory_allocated()
         result["optimizer_bytes"] = held_bytes(engine)
+    if step_grads is not None:
+        result["optimizer_partitions"] = optimizer_partitions(engine, step_grads.grads)
     result["peak_rss_bytes"] = peak_rss_bytes()
     result["rss_bytes"] = current_rss_bytes()
 

@@ -61,6 +61,11 @@ FEATURES = {
 }
 
 
+# "auto" with these in the fast subset (make test), with the others in the nightly matrix
+FAST_AUTO_CASES = ["zero_quantized_gradients", "the Muon optimizer", "compile.deepcompile",
+                   "offload_param with device nvme", "elastic_checkpoint"]
+
+
 def _feature_config(feature, keep, tmp_path):
     stage, change, _ = FEATURES[feature]
     if stage == "zero3":
@@ -90,7 +95,10 @@ class TestFeaturesThatRoundKeptParams(DistributedTest):
                            r".*To keep them in fp32: .*keep_in_fp32_modules to \[\] to train them in"):
             _initialize(config, _build(config, zero_init=False))
 
-    @pytest.mark.parametrize("feature", FEATURES)
+    @pytest.mark.parametrize("feature", [
+        feature if feature in FAST_AUTO_CASES else pytest.param(feature, marks=pytest.mark.nightly)
+        for feature in FEATURES
+    ])
     def test_auto_trains_as_before_with_one_warning(self, feature, tmp_path):
         # the decision is made before the feature is set up: a feature this CPU accelerator cannot run stops after
         # it, where 0.19.8 stops too

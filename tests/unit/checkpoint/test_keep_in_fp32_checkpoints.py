@@ -7,9 +7,9 @@ versions, settings and world sizes with nothing lost.
 
 - Upgrade: a ZeRO-3 checkpoint that pristine DeepSpeed 0.19.8 itself saves (in a subprocess with the pristine tree
   named by ``$DS_PRISTINE_TREE`` on PYTHONPATH; skipped without it), where the listed parameters trained in bf16,
-  loads into a run that keeps them in fp32 with every master and Adam moment exact. A ZeRO-2 one, whose fp32
-  partitions are laid out per param group, not per group of one dtype, is refused by a direct load, and moves
-  through ds_to_universal the way the refusal says, every master and moment exact.
+  loads into a run that keeps them in fp32 with every master and Adam moment exact. So do a ZeRO-2 and a ZeRO-1
+  one, whose fp32 partitions are laid out per param group, not per group of one dtype: each parameter's master and
+  moments move to where the run holds them; the ZeRO-2 one moves through ds_to_universal exactly too.
 - Universal checkpoints: a world-size-2 (and a world-size-3) save, converted by ds_to_universal, loads at world
   sizes 1, 2 and 3 with the same list and with others, every master and moment exact.
 - zero_to_fp32: trainable and frozen parameters, kept in fp32 or not, come back exactly in every export path.
@@ -108,16 +108,17 @@ def pristine_save(tmp_path_factory):
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def pristine_save_zero2(tmp_path_factory):
-    """A ZeRO-2 checkpoint that pristine DeepSpeed 0.19.8 saved at world size 2 (nothing kept)."""
+@pytest.fixture(scope="module", params=[2, pytest.param(1, marks=pytest.mark.nightly)], ids=["zero2", "zero1"])
+def pristine_save_zero12(request, tmp_path_factory):
+    """A ZeRO-2 (or ZeRO-1) checkpoint that pristine DeepSpeed 0.19.8 saved at world size 2 (nothing kept); returns
+    (its directory, the stage)."""
     tree = _pristine_tree()
-    out = tmp_path_factory.mktemp("pristine_save_zero2")
-    reference = _save_in_subprocess(out, 2, "--stage", "2", pristine_tree=tree)
+    out = tmp_path_factory.mktemp(f"pristine_save_zero{request.param}")
+    reference = _save_in_subprocess(out, 2, "--stage", str(request.param), pristine_tree=tree)
     assert reference["deepspeed_version"].strip() == "0.19.8", reference["deepspeed_version"]
     for name, entry in reference["params"].items():
         assert entry["value"].dtype == torch.bfloat16, f"pristine 0.19.8 kept {name} in {entry['value'].dtype}"
-    return str(out)
+    return str(out), request.param
 
 
 @pytest.fixture(scope="module")
@@ -208,26 +209,33 @@ class TestUpgradeFromPristine(DistributedTest):
 
 
 class TestUpgradeFromPristineZero2(DistributedTest):
-    """A ZeRO-2 checkpoint saved by pristine DeepSpeed 0.19.8 holds one fp32 partition per param group; a run that
-    keeps the model's list holds the kept parameters in groups of their own, so loading it directly is refused,
-    naming ds_to_universal, and the universal checkpoint that ds_to_universal makes of it loads exactly."""
+    """A ZeRO-2 (and ZeRO-1) checkpoint saved by pristine DeepSpeed 0.19.8 holds one fp32 partition per param group;
+    a run that keeps the model's list holds the kept parameters in groups of their own. engine.load_checkpoint()
+    moves each parameter's master and Adam moments to where this run holds them, exactly, as it does under ZeRO-3;
+    the universal checkpoint that ds_to_universal makes of it loads exactly too."""
     world_size = 2
 
-    def test_pristine_checkpoint_moves_through_ds_to_universal(self, pristine_save_zero2):
+    def test_pristine_checkpoint_loads_with_optimizer_states(self, pristine_save_zero12):
         import deepspeed.comm as dist
-        saved = _reference(pristine_save_zero2)
+        save_dir, stage = pristine_save_zero12
+        saved = _reference(save_dir)
         sinks = saved["params"]["attn.sinks"]
         assert not torch.equal(sinks["master"], sinks["master"].bfloat16().float())
-        ckpt = os.path.join(pristine_save_zero2, "ckpt")
+        ckpt = os.path.join(save_dir, "ckpt")
 
-        refused = engine(config(stage=2))  # "auto": the sinks and the norm in fp32
-        with pytest.raises(RuntimeError, match="keep_in_fp32_modules.*ds_to_universal.*load_universal"):
-            refused.load_checkpoint(ckpt)
+        loaded = engine(config(stage=stage))  # "auto": the sinks and the norm in fp32
+        load_path, _ = loaded.load_checkpoint(ckpt)
+        assert load_path is not None and f"{TAG}_universal" not in load_path, load_path
+        assert loaded.global_steps == STEPS
+        _check_loaded(loaded, saved["params"], KEPT_AUTO)
+        _check_training_continues(loaded, KEPT_AUTO)
 
+        if stage == 1:
+            return
         if dist.get_rank() == 0:
             to_universal(ckpt)
         dist.barrier()
-        loaded = engine(config(stage=2, load_universal=True))
+        loaded = engine(config(stage=stage, load_universal=True))
         load_path, _ = loaded.load_checkpoint(ckpt)
         assert load_path is not None and f"{TAG}_universal" in load_path, load_path
         assert loaded.global_steps == STEPS

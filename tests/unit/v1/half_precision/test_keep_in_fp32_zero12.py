@@ -5,8 +5,9 @@
 """ZeRO-1 and ZeRO-2 keep the parameters a model names for fp32 in fp32: what test_keep_in_fp32_stages.py does not
 cover for them.
 
-- A checkpoint lays out its fp32 partitions and optimizer states per group of one dtype, so one saved keeping other
-  parameters in fp32 is refused, and ds_to_universal with checkpoint.load_universal moves it.
+- A checkpoint lays out its fp32 partitions and optimizer states per group of one dtype: one saved keeping other
+  parameters in fp32 loads parameter by parameter, every master and Adam moment exact; ds_to_universal with
+  checkpoint.load_universal moves it exactly too.
 - The kept groups are partitioned over the data parallel ranks like every other group: optimizer memory divides by
   the data parallel size, kept parameters included.
 - offload_states is refused (test_keep_in_fp32_features.py has elastic_checkpoint and MoE expert param groups).
@@ -20,6 +21,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.checkpoint._keep_in_fp32_checkpoint_run import to_universal
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, _build, _engine, _gathered,
@@ -32,43 +34,61 @@ TAG = "global_step2"
 STAGES = ["zero2", pytest.param("zero1", marks=pytest.mark.nightly)]
 
 
-def _save(stage, keep, save_dir):
+def _save(stage, keep, save_dir, optimizer_states=False):
     """Train two steps with data_types.keep_in_fp32_modules ``keep`` and save a checkpoint that ds_to_universal can
-    convert; returns every parameter's fp32 master."""
+    convert; returns every parameter's fp32 master (with ``optimizer_states``: _optimizer_states)."""
     config = _stage_config(stage, keep=keep)
     engine = _stage_engine(stage, config)
     _train(engine, config, steps=2)
     engine.save_checkpoint(save_dir, tag=TAG, client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
-    return _masters(engine)
+    return _optimizer_states(engine) if optimizer_states else _masters(engine)
+
+
+def _optimizer_states(engine):
+    """Each trainable parameter's fp32 master, exp_avg and exp_avg_sq."""
+    return {
+        name: (safe_get_full_fp32_param(param), safe_get_full_optimizer_state(param, "exp_avg"),
+               safe_get_full_optimizer_state(param, "exp_avg_sq"))
+        for name, param in engine.module.named_parameters() if param.requires_grad
+    }
+
+
+def _check_loaded_exactly(stage, keep, save_dir, saved):
+    """Load ``save_dir`` keeping ``keep``: every master and Adam moment as ``saved``, each parameter at its master
+    (rounded unless kept), and two more steps train the kept parameters in fp32."""
+    config = _stage_config(stage, keep=keep)
+    engine = _stage_engine(stage, config)
+    load_path, _ = engine.load_checkpoint(save_dir)
+    assert load_path is not None
+    loaded = _optimizer_states(engine)
+    assert set(loaded) == set(saved)
+    for name, param in engine.module.named_parameters():
+        for what, got, want in zip(("master", "exp_avg", "exp_avg_sq"), loaded[name], saved[name]):
+            assert torch.equal(got, want), f"{name}: the {what} differs after the load"
+        assert torch.equal(_gathered(param), saved[name][0].to(param.dtype)), f"{name} is not its master"
+    _train(engine, config, steps=2)
+    if _sinks(engine.module).dtype == torch.float32:
+        _check_kept_and_updated(engine)
 
 
 class TestCheckpointOfOtherLayout(DistributedTest):
     world_size = 2
 
     @pytest.mark.parametrize("stage", STAGES)
-    def test_other_kept_groups_are_refused(self, stage, tmp_path):
+    def test_other_kept_groups_load_per_param(self, stage, tmp_path):
+        # [] has the layout of 0.19.8: nothing kept, one group per param group
         saves = {"auto": str(tmp_path / "auto"), "none": str(tmp_path / "none")}
-        _save(stage, "auto", saves["auto"])
-        _save(stage, [], saves["none"])
+        saved = {}
+        for keep, name in (("auto", "auto"), ([], "none")):
+            saved[name] = _save(stage, keep, saves[name], optimizer_states=True)
         for keep, other in (("auto", "none"), ([], "auto")):
-            config = _stage_config(stage, keep=keep)
-            config["zero_optimization"]["load_from_fp32_weights"] = False
-            engine = _stage_engine(stage, config)
-            with pytest.raises(RuntimeError, match="keep_in_fp32_modules.*ds_to_universal.*load_universal"):
-                engine.load_checkpoint(saves[other])
-            # the module alone loads, as the error says
-            load_path, _ = engine.load_checkpoint(saves[other], load_optimizer_states=False)
-            assert load_path is not None
+            _check_loaded_exactly(stage, keep, saves[other], saved[other])
 
-    def test_other_params_kept_in_as_many_groups_are_refused(self, tmp_path):
+    def test_other_params_kept_in_as_many_groups_load_per_param(self, tmp_path):
         # ["sink"] and ["norm"] each keep one group of each param group: the parameters in it tell them apart
         save_dir = str(tmp_path / "sink")
-        _save("zero2", ["sink"], save_dir)
-        config = _stage_config("zero2", keep=["norm"])
-        config["zero_optimization"]["load_from_fp32_weights"] = False
-        engine = _stage_engine("zero2", config)
-        with pytest.raises(RuntimeError, match="keep_in_fp32_modules.*ds_to_universal.*load_universal"):
-            engine.load_checkpoint(save_dir)
+        saved = _save("zero2", ["sink"], save_dir, optimizer_states=True)
+        _check_loaded_exactly("zero2", ["norm"], save_dir, saved)
 
     @pytest.mark.parametrize("saved_keep", [[], "auto"], ids=["saved_keeping_nothing", "saved_keeping"])
     @pytest.mark.parametrize("stage", STAGES + ["zero1_bf16_optimizer"])

@@ -261,7 +261,7 @@ class TestStagesStepCollectives(DistributedTest):
     world_size = 2
 
     @pytest.mark.parametrize("stage, offload_optimizer", [(stage, False) for stage in STAGES] +
-                             [(stage, True) for stage in OPTIMIZER_OFFLOAD])
+                             [pytest.param(stage, True, marks=pytest.mark.nightly) for stage in OPTIMIZER_OFFLOAD])
     def test_step_adds_one_reduction(self, stage, offload_optimizer):
         calls = {}
         for keep in ("auto", []):
@@ -302,10 +302,10 @@ class TestFp32CommunicationBuckets(DistributedTest):
 
     @pytest.mark.parametrize("stage", [
         pytest.param("zero2",
-                     marks=pytest.mark.xfail(strict=True,
+                     marks=[pytest.mark.nightly, pytest.mark.xfail(strict=True,
                                              reason="ZeRO-1/2 still flush their shared fp32 bucket at every switch "
                                              "between a kept gradient and another (ipg_buckets are keyed by "
-                                             "communication dtype throughout stage_1_and_2)")), "zero3"
+                                             "communication dtype throughout stage_1_and_2)")]), "zero3"
     ])
     def test_one_reduction_more(self, stage):
         calls = {}

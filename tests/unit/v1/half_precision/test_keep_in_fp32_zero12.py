@@ -139,7 +139,8 @@ class TestKeptGroupsArePartitioned(DistributedTest):
     its share of their fp32 masters and optimizer states, however much of the model is kept."""
     world_size = 2
 
-    @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero1_bf16_optimizer"])
+    @pytest.mark.parametrize("stage",
+                             [pytest.param("zero1", marks=pytest.mark.nightly), "zero2", "zero1_bf16_optimizer"])
     def test_optimizer_states_divide_by_the_data_parallel_size(self, stage):
         # the model lists its output projection, as HY-V4 lists lm_head: 673 of 853 elements kept
         config = _stage_config(stage, keep=["out", "sink", "norm"])

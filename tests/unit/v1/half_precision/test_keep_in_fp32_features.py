@@ -146,7 +146,10 @@ class TestKeptExpertParams(DistributedTest):
         config = _stage_config("zero2", keep=keep)
         torch.manual_seed(42)
         model = MoENet()
-        groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
+        groups = split_params_into_different_moe_groups_for_optimizer({
+            "params": list(model.parameters()),
+            "name": "p"
+        })
         if keep != "auto":
             with pytest.raises(ValueError, match=r"the MoE expert param groups of ZeRO-2.*name no expert parameter.*"
                                r"keep_in_fp32_modules to \[\]"):

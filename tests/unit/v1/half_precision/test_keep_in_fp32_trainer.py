@@ -24,8 +24,8 @@ masters, ``safe_get_full_fp32_param``) for the checks here. Runs are shared betw
 * ``test_resume_continues_exactly``: ``resume_from_checkpoint`` of the step-3 checkpoint starts from the saved state
   and gives losses at steps 4-6 identical (``==``) to those of the uninterrupted run, rank by rank.
 * ``test_resume_a_pristine_checkpoint`` (skipped without DS_PRISTINE_TREE, which ``make test`` sets): the DeepSeek-V3
-  run on pristine DeepSpeed 0.19.8 (which trains the router in bf16) saves a Trainer checkpoint at step 3; the series
-  resumes it: the router weights are fp32 and equal to the fp32 masters pristine saved, and the resumed losses
+  run on pristine DeepSpeed 0.19.8 (which trains the router in bf16) saves a Trainer checkpoint at step 3, at ZeRO-3
+  and at ZeRO-2 (``--stage 2``: the model is loaded outside ``zero.Init``); the series resumes it: the router weights are fp32 and equal to the fp32 masters pristine saved, and the resumed losses
   continue where pristine's own run goes (not exactly: the series computes the router in fp32 from the masters).
 """
 
@@ -172,7 +172,7 @@ class Runs:
 
         return self._once(("model", arch), make)
 
-    def run(self, arch, name, resume=None, pristine=False, save_model=False):
+    def run(self, arch, name, resume=None, pristine=False, save_model=False, stage=3):
 
         def make():
             out, results = self.root / "runs" / name, self.root / "results" / name
@@ -183,7 +183,8 @@ class Runs:
                 str(results), "--max-steps",
                 str(STEPS), "--save-steps",
                 str(SAVE_STEPS), "--workaround",
-                str(WORKAROUND)
+                str(WORKAROUND), "--stage",
+                str(stage)
             ]
             if resume is not None:
                 argv += ["--resume", str(resume)]
@@ -202,13 +203,16 @@ class Runs:
         """The series, resumed from the fresh run's step-3 checkpoint."""
         return self.run(arch, f"{arch}_resumed", resume=self.fresh(arch).output_dir / f"checkpoint-{SAVE_STEPS}")
 
-    def pristine(self, arch):
+    def pristine(self, arch, stage=3):
         """Pristine DeepSpeed 0.19.8: an uninterrupted run."""
-        return self.run(arch, f"{arch}_pristine", pristine=True)
+        return self.run(arch, f"{arch}_pristine_zero{stage}", pristine=True, stage=stage)
 
-    def upgraded(self, arch):
+    def upgraded(self, arch, stage=3):
         """The series, resumed from pristine's step-3 checkpoint."""
-        return self.run(arch, f"{arch}_upgraded", resume=self.pristine(arch).output_dir / f"checkpoint-{SAVE_STEPS}")
+        return self.run(arch,
+                        f"{arch}_upgraded_zero{stage}",
+                        resume=self.pristine(arch, stage).output_dir / f"checkpoint-{SAVE_STEPS}",
+                        stage=stage)
 
 
 @pytest.fixture(scope="module")
@@ -328,9 +332,10 @@ def test_resume_continues_exactly(runs, arch):
 
 @pytest.mark.skipif(not PRISTINE_TREE, reason="DS_PRISTINE_TREE (pristine DeepSpeed 0.19.8, set by make test) unset")
 @pytest.mark.skipif(not hasattr(transformers, "DeepseekV3ForCausalLM"), reason="no DeepSeek-V3 in transformers")
-def test_resume_a_pristine_checkpoint(runs):
+@pytest.mark.parametrize("stage", [3, 2], ids=["zero3", "zero2"])
+def test_resume_a_pristine_checkpoint(runs, stage):
     arch = "deepseek_v3"
-    pristine, upgraded = runs.pristine(arch), runs.upgraded(arch)
+    pristine, upgraded = runs.pristine(arch, stage), runs.upgraded(arch, stage)
     kept = set(upgraded.kept)
     tree = os.path.realpath(PRISTINE_TREE)
     assert all(os.path.realpath(r["deepspeed"]).startswith(tree + os.sep) for r in pristine.rank)

@@ -45,6 +45,7 @@ from multiprocessing.connection import wait
 import pytest
 
 TIMEOUT_ENV = "DS_TEST_TIMEOUT"
+START_METHOD_ENV = "DS_TEST_START_METHOD"  # "spawn" starts every rank afresh (tools/gpu-check does on CUDA)
 GRACE_AFTER_FAILURE = 5  # seconds the other ranks get to finish once one rank has failed
 
 
@@ -131,8 +132,13 @@ def _context():
 
     A rank then starts in well under a second instead of re-importing them (5-8 s of CPU per rank); the server
     is started with this process's sys.path and environment, and imports nothing that starts threads.
+    $DS_TEST_START_METHOD=spawn starts each rank afresh instead (for an accelerator other than the CPU's, which a
+    rank must choose before deepspeed is imported).
     """
-    ctx = multiprocessing.get_context("forkserver")
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    ctx = multiprocessing.get_context(method)
+    if method != "forkserver":
+        return ctx
     ctx.set_forkserver_preload([
         "torch", "deepspeed", "deepspeed.comm", "transformers", "transformers.modeling_utils"
     ])

@@ -9,10 +9,13 @@ with ``remote_device`` cpu, models built without zero.Init, optimizer offload wi
 with another setting, and the refusal of parameter offload to NVMe.
 """
 
+import os
+
 import pytest
 import torch
 
 import deepspeed
+from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, _batch,
@@ -42,6 +45,22 @@ class TestZeroInitWithParamOffload(DistributedTest):
         with deepspeed.zero.GatheredParameters([model.attn.sinks], modifier_rank=0):
             model.attn.sinks.data.copy_(SINK_VALUES)
         assert torch.equal(_gathered(model.attn.sinks), SINK_VALUES)
+
+
+    def test_kept_partitions_stay_pinned(self):
+        # DeepSpeed's own page-locking (mlock) pins host memory without a GPU; torch's pinning needs one
+        os.environ.update(DS_PIN_MEMORY_BACKEND="native", DS_PIN_MEMORY_REGISTER_DEVICE="0")
+        config = _offload_config()
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = SinkNet()
+        model.attn.sinks.requires_grad_(False)  # frozen: the optimizer never moves it into a buffer of its own
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        kept = _listed_names(model)
+        assert "attn.sinks" in kept
+        for name, param in engine.module.named_parameters():
+            # asked of a view: the partition object keeps the mark of its first, pinned storage after a .data swap
+            assert get_accelerator().is_pinned(param.ds_tensor.view(-1)), f"{name}'s partition is not pinned"
+            assert param.ds_tensor.dtype == (torch.float32 if name in kept else torch.bfloat16), name
 
 
 class TestOffloadedLayout(DistributedTest):

@@ -6,7 +6,7 @@ export DS_ACCELERATOR ?= cpu
 # A tag for the wheel's version: deepspeed-0.19.8+$(TAG).
 TAG ?= keepfp32
 
-.PHONY: setup refresh check test test-all test-pristine test-upstream gpu-check wheel demo bench study clean
+.PHONY: setup refresh check test test-all test-pristine test-upstream gpu-check wheel demo bench study results clean
 
 setup:
 	@tools/setup
@@ -45,6 +45,10 @@ bench: setup
 
 study: setup
 	@$(PY) benchmarks/accuracy_study.py $(ARGS)
+
+# Rerun every figure of docs/results.md on the dev tree and rewrite the page (ARGS: parts, e.g. "compare memory").
+results: setup
+	@$(PY) tools/results $(ARGS)
 
 clean:
 	rm -rf build/pristine dist out

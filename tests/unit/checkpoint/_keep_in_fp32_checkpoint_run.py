@@ -6,8 +6,9 @@
 
 As a module, it gives the tests ``SinkNet`` and its helpers. As a script, run on every rank by
 ``python -m torch.distributed.run --nproc_per_node N _keep_in_fp32_checkpoint_run.py OUT [options]``, it trains
-``SinkNet`` for two ZeRO-3 (``--stage``: or ZeRO-1/2) bf16 steps with whatever ``import deepspeed`` finds (the tests run it with pristine
-DeepSpeed 0.19.8 on PYTHONPATH, or with the DeepSpeed under test), saves a checkpoint in ``OUT/ckpt`` and, on rank 0,
+``SinkNet`` for two bf16 steps under ZeRO-3 (``--stage``: or another stage; ``--bf16-optimizer``: BF16_Optimizer at
+stage 1; ``--dtype fp16``) with whatever ``import deepspeed`` finds (the tests run it with pristine DeepSpeed 0.19.8
+on PYTHONPATH, or with the DeepSpeed under test), saves a checkpoint in ``OUT/ckpt`` and, on rank 0,
 ``OUT/reference.pt``: per parameter its fp32 master, exp_avg and exp_avg_sq, its gathered value and dtype, and the
 DeepSpeed it ran with. With ``--universal``, rank 0 converts the checkpoint with ds_to_universal as well.
 
@@ -69,9 +70,10 @@ class SinkNet(torch.nn.Module):
         return self.out(h).float().pow(2).mean()
 
 
-def config(keep="auto", load_universal=False, stage=3):
-    """ZeRO-3 (or ``stage``) bf16 with Adam; ``keep`` is data_types.keep_in_fp32_modules ("auto": no data_types
-    section)."""
+def config(keep="auto", load_universal=False, stage=3, bf16_optimizer=False, dtype="bf16"):
+    """ZeRO-3 (or ``stage``) bf16 (or ``dtype``) with Adam; ``keep`` is data_types.keep_in_fp32_modules ("auto": no
+    data_types section). Stage 0 takes the default Adam, FusedAdam, which the engine wraps in FP16_Optimizer (for
+    fp16 and bf16); ``bf16_optimizer`` accumulates gradients in fp32 at stage 1, for which it takes BF16_Optimizer."""
     result = {
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": 1000,
@@ -86,12 +88,18 @@ def config(keep="auto", load_universal=False, stage=3):
             "stage": stage,
             "stage3_param_persistence_threshold": 0
         },
-        "bf16": {
+        dtype: {
             "enabled": True
         },
     }
+    if dtype == "fp16":
+        result[dtype]["initial_scale_power"] = 8
+    if stage == 0:
+        del result["optimizer"]["params"]["torch_adam"]
     if keep != "auto":
         result["data_types"] = {"keep_in_fp32_modules": keep}
+    if bf16_optimizer:
+        result.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     if load_universal:
         result["checkpoint"] = {"load_universal": True}
     return result
@@ -140,21 +148,36 @@ def batch(step):
 def train(model_engine, steps=STEPS, first_step=0):
     losses = []
     for step in range(first_step, first_step + steps):
-        loss = model_engine(batch(step))
+        loss = model_engine(batch(step).to(model_engine.module.lin.weight.dtype))
         model_engine.backward(loss)
         model_engine.step()
         losses.append(loss.item())
     return losses
 
 
+def _flat_masters(optimizer):
+    """FP16_Optimizer's (stage 0) fp32 master, exp_avg and exp_avg_sq of each parameter, from its flat masters."""
+    from torch._utils import _unflatten_dense_tensors
+    result = {}
+    for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+        state = optimizer.optimizer.state[flat]
+        for key, tensor in (("master", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+            for param, piece in zip(params, _unflatten_dense_tensors(tensor.detach(), params)):
+                result.setdefault(param, {})[key] = piece.cpu().clone()
+    return result
+
+
 def snapshot(model_engine):
     """Per parameter: its gathered value, and for trainable ones its fp32 master, exp_avg and exp_avg_sq (collective
     calls: every rank must make them)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    flat_masters = None if model_engine.zero_optimization() else _flat_masters(model_engine.optimizer)
     result = {}
     for name, param in model_engine.module.named_parameters():
         entry = {"value": gathered(param), "requires_grad": param.requires_grad}
-        if param.requires_grad:
+        if param.requires_grad and flat_masters is not None:
+            entry.update(flat_masters[param])
+        elif param.requires_grad:
             entry["master"] = safe_get_full_fp32_param(param).detach().cpu().clone()
             for key in ("exp_avg", "exp_avg_sq"):
                 entry[key] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
@@ -185,6 +208,8 @@ def main():
     parser.add_argument("--frozen", default="", help="names of parameters to freeze, comma-separated")
     parser.add_argument("--universal", action="store_true", help="also convert with ds_to_universal")
     parser.add_argument("--stage", type=int, default=3, help="zero_optimization.stage")
+    parser.add_argument("--bf16-optimizer", action="store_true", help="at stage 1: BF16_Optimizer")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     args = parser.parse_args()
 
     import deepspeed
@@ -195,12 +220,15 @@ def main():
     if rank == 0:
         print(f"deepspeed {deepspeed.__version__} from {deepspeed.__file__}", flush=True)
 
-    ds_config = config(keep=json.loads(args.keep), stage=args.stage)
+    ds_config = config(keep=json.loads(args.keep),
+                       stage=args.stage,
+                       bf16_optimizer=args.bf16_optimizer,
+                       dtype=args.dtype)
     model_engine = engine(ds_config, frozen=[n for n in args.frozen.split(",") if n])
     losses = train(model_engine)
     ckpt = os.path.join(args.out, "ckpt")
     # ds_to_universal reads ZeRO-1/2 checkpoints that say they can be converted
-    client_state = {UNIVERSAL_CHECKPOINT_INFO: {}} if args.stage < 3 else {}
+    client_state = {UNIVERSAL_CHECKPOINT_INFO: {}} if 0 < args.stage < 3 else {}
     model_engine.save_checkpoint(ckpt, tag=TAG, client_state=client_state)
     reference = {
         "params": snapshot(model_engine),

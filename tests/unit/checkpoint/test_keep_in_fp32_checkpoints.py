@@ -9,7 +9,9 @@ versions, settings and world sizes with nothing lost.
   named by ``$DS_PRISTINE_TREE`` on PYTHONPATH; skipped without it), where the listed parameters trained in bf16,
   loads into a run that keeps them in fp32 with every master and Adam moment exact. So do a ZeRO-2 and a ZeRO-1
   one, whose fp32 partitions are laid out per param group, not per group of one dtype: each parameter's master and
-  moments move to where the run holds them; the ZeRO-2 one moves through ds_to_universal exactly too.
+  moments move to where the run holds them; the ZeRO-2 one moves through ds_to_universal exactly too. So do the
+  checkpoints of the BF16 optimizer and of stage 0 (FusedAdam in FP16_Optimizer, bf16 and fp16), whose flat masters
+  are laid out per param group too.
 - Universal checkpoints: a world-size-2 (and a world-size-3) save, converted by ds_to_universal, loads at world
   sizes 1, 2 and 3 with the same list and with others, every master and moment exact.
 - zero_to_fp32: trainable and frozen parameters, kept in fp32 or not, come back exactly in every export path.
@@ -121,6 +123,33 @@ def pristine_save_zero12(request, tmp_path_factory):
     return str(out), request.param
 
 
+# the other optimizers whose flat masters 0.19.8 lays out per param group: (config(), the saving script's options)
+FLAT_MASTERS = {
+    "bf16_optimizer": (dict(stage=1, bf16_optimizer=True), ["--stage", "1", "--bf16-optimizer"]),
+    "zero0_bf16": (dict(stage=0), ["--stage", "0"]),
+    "zero0_fp16": (dict(stage=0, dtype="fp16"), ["--stage", "0", "--dtype", "fp16"]),
+}
+
+
+@pytest.fixture(scope="module",
+                params=[
+                    "bf16_optimizer",
+                    pytest.param("zero0_bf16", marks=pytest.mark.nightly),
+                    pytest.param("zero0_fp16", marks=pytest.mark.nightly)
+                ])
+def pristine_save_flat_masters(request, tmp_path_factory):
+    """A checkpoint of the BF16 optimizer (or of FP16_Optimizer at stage 0) that pristine DeepSpeed 0.19.8 saved at
+    world size 2 (nothing kept); returns (its directory, the key of FLAT_MASTERS)."""
+    tree = _pristine_tree()
+    out = tmp_path_factory.mktemp(f"pristine_save_{request.param}")
+    reference = _save_in_subprocess(out, 2, *FLAT_MASTERS[request.param][1], pristine_tree=tree)
+    assert reference["deepspeed_version"].strip() == "0.19.8", reference["deepspeed_version"]
+    half = torch.float16 if request.param == "zero0_fp16" else torch.bfloat16
+    for name, entry in reference["params"].items():
+        assert entry["value"].dtype == half, f"pristine 0.19.8 kept {name} in {entry['value'].dtype}"
+    return str(out), request.param
+
+
 @pytest.fixture(scope="module")
 def universal_save_ws2(tmp_path_factory):
     """A checkpoint saved at world size 2 with the model's list ("auto"), and its universal conversion."""
@@ -147,8 +176,9 @@ def _check_loaded(model_engine, saved, kept):
     others in bf16 at it rounded; frozen parameters at their saved value (rounded to bf16 unless kept)."""
     restored = snapshot(model_engine)
     assert set(restored) == set(saved)
+    half = torch.float16 if model_engine.fp16_enabled() else torch.bfloat16
     for name, param in model_engine.module.named_parameters():
-        want = torch.float32 if name in kept else torch.bfloat16
+        want = torch.float32 if name in kept else half
         stored = getattr(param, "ds_tensor", param)  # the partition under ZeRO-3
         assert stored.dtype == want, f"{name}: stored in {stored.dtype}, expected {want}"
         assert param.requires_grad == saved[name]["requires_grad"], name
@@ -162,7 +192,7 @@ def _check_loaded(model_engine, saved, kept):
             assert got.dtype == torch.float32 and torch.equal(got, saved[name][key]), \
                 f"{name}: {key} differs after the load"
         assert torch.equal(value, saved[name]["master"].to(want)), \
-            f"{name}: the loaded value is not its master{' rounded to bf16' if want != torch.float32 else ''}"
+            f"{name}: the loaded value is not its master{' rounded' if want != torch.float32 else ''}"
 
 
 def _check_training_continues(model_engine, kept):
@@ -240,6 +270,32 @@ class TestUpgradeFromPristineZero2(DistributedTest):
         assert load_path is not None and f"{TAG}_universal" in load_path, load_path
         assert loaded.global_steps == STEPS
         _check_loaded(loaded, saved["params"], KEPT_AUTO)
+        _check_training_continues(loaded, KEPT_AUTO)
+
+
+class TestUpgradeFromPristineFlatMasters(DistributedTest):
+    """A checkpoint of the BF16 optimizer (and of FP16_Optimizer at stage 0, bf16 and fp16) saved by pristine
+    DeepSpeed 0.19.8 holds one flat fp32 master per param group; a run that keeps the model's list holds the kept
+    parameters in sub-groups of their own. engine.load_checkpoint() moves each parameter's master and Adam moments
+    to where this run holds them, exactly."""
+    world_size = 2
+
+    def test_pristine_checkpoint_loads_with_optimizer_states(self, pristine_save_flat_masters):
+        save_dir, kind = pristine_save_flat_masters
+        saved = _reference(save_dir)
+        sinks = saved["params"]["attn.sinks"]
+        assert not torch.equal(sinks["master"], sinks["master"].bfloat16().float())
+
+        loaded = engine(config(**FLAT_MASTERS[kind][0]))  # "auto": the sinks and the norm in fp32
+        want = "BF16_Optimizer" if kind == "bf16_optimizer" else "FP16_Optimizer"
+        assert type(loaded.optimizer).__name__ == want
+        load_path, _ = loaded.load_checkpoint(os.path.join(save_dir, "ckpt"))
+        assert load_path is not None
+        assert loaded.global_steps == STEPS
+        _check_loaded(loaded, saved["params"], KEPT_AUTO)
+        # Adam's step is carried
+        steps = {int(state["step"]) for state in loaded.optimizer.optimizer.state.values()}
+        assert steps == {STEPS + (kind != "bf16_optimizer")}, steps  # FP16_Optimizer steps once at init
         _check_training_continues(loaded, KEPT_AUTO)
 
 

@@ -5,7 +5,7 @@
 """Parameters kept in fp32 by the engine's fp16/bf16 optimizers (no ZeRO, and BF16_Optimizer under ZeRO-1): their
 gradients are reduced in fp32, FusedAdam without ZeRO (FP16_Optimizer) keeps them in sub-groups of their own, the
 fused steps that hold one dtype fall back ("auto") or refuse (an explicit list), and BF16_Optimizer and FP16_Optimizer
-refuse optimizer states saved with another set of kept parameters."""
+load optimizer states saved with another set of kept parameters parameter by parameter, exactly."""
 
 import pytest
 import torch
@@ -14,8 +14,8 @@ from torch._utils import _unflatten_dense_tensors
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _batch, _collective_dtypes, _listed_names,
                                                               _sinks, _train)
-from unit.v1.half_precision.test_keep_in_fp32_stages import (_check_dtypes, _check_kept_and_updated, _stage_config,
-                                                             _stage_engine)
+from unit.v1.half_precision.test_keep_in_fp32_stages import (_check_dtypes, _check_kept_and_updated, _snapshot,
+                                                             _stage_config, _stage_engine)
 
 
 class TestKeptGradientsReducedInFp32(DistributedTest):
@@ -44,7 +44,6 @@ class TestFusedAdamKeepsNothing(DistributedTest):
         assert type(engine.optimizer).__name__ == "FP16_Optimizer"
         _check_dtypes(engine.module, set(), torch.float16)
         assert len(engine.optimizer.fp32_groups_flat) == len(engine.optimizer.param_groups) == 1
-
 
 
 def _fused_config(dtype, keep="auto"):
@@ -77,6 +76,29 @@ def _check_fused_kept(engine, half_dtype):
     for name, param in engine.module.named_parameters():
         if name in kept:
             assert torch.equal(param.data, masters[name]), name
+    # one fp32 copy of the kept parameters: their flat master is the buffer they live in
+    kept_flat = optimizer.fp32_groups_flat[1]
+    assert kept_flat is optimizer.fp16_groups_flat[1]
+    start, end = kept_flat.data_ptr(), kept_flat.data_ptr() + kept_flat.numel() * kept_flat.element_size()
+    assert all(start <= p.data_ptr() < end for p in optimizer.fp16_groups[1])
+
+
+def _fused_param_states(engine):
+    """Each parameter's fp32 master, exp_avg and exp_avg_sq in FP16_Optimizer's flat masters, and the Adam steps of
+    the flat masters."""
+    optimizer = engine.optimizer
+    result, steps = {}, set()
+    for group, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+        state = optimizer.optimizer.state[flat]
+        steps.add(state["step"])
+        for key, tensor in (("master", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+            for param, piece in zip(group, _unflatten_dense_tensors(tensor.detach(), group)):
+                result.setdefault(engine.param_names[param], {})[key] = piece.clone()
+    return result, steps
+
+
+# (keep_in_fp32_modules of the saving run, of the loading run)
+OTHER_LAYOUTS = [([], "auto"), ("auto", []), (["sink_gate"], ["sinks"])]
 
 
 def _fused_snapshot(engine):
@@ -179,33 +201,56 @@ class TestFusedAdamWithoutZero(DistributedTest):
         _check_fused_kept(loaded, torch.bfloat16 if dtype == "bf16" else torch.float16)
         _check_kept_and_updated(loaded)
 
-    @pytest.mark.parametrize("saved_keep, loaded_keep", [([], "auto"), ("auto", []), (["sink_gate"], ["norm.weight"])])
-    def test_other_layout_is_refused(self, saved_keep, loaded_keep, tmp_path):
+    @pytest.mark.parametrize("saved_keep, loaded_keep", [OTHER_LAYOUTS[0]] +
+                             [pytest.param(*case, marks=pytest.mark.nightly) for case in OTHER_LAYOUTS[1:]])
+    def test_other_layout_loads_exactly(self, saved_keep, loaded_keep, tmp_path):
+        """Optimizer states saved with other parameters kept in fp32 load parameter by parameter: every master and
+        Adam moment as saved, Adam's step carried, the parameters at their masters."""
         config = _fused_config("bf16", keep=saved_keep)
         engine = _stage_engine("zero0", config)
-        _train(engine, config, steps=1)
+        _train(engine, config, steps=2)
         engine.save_checkpoint(str(tmp_path))
+        saved, saved_steps = _fused_param_states(engine)
         config = _fused_config("bf16", keep=loaded_keep)
         loaded = _stage_engine("zero0", config)
-        with pytest.raises(ValueError, match="keep_in_fp32_modules.*load_module_only=True"):
-            loaded.load_checkpoint(str(tmp_path))
-        # the way out: only the model's weights, from which the masters are made
-        loaded.load_checkpoint(str(tmp_path), load_module_only=True)
-        masters = _fused_masters(loaded)
+        loaded.load_checkpoint(str(tmp_path))
+        restored, steps = _fused_param_states(loaded)
+        # FusedAdam counts a param group's steps in its last flat master's state
+        assert steps == {max(saved_steps)}, (steps, saved_steps)
+        assert restored.keys() == saved.keys()
+        for name, states in restored.items():
+            for key, value in states.items():
+                assert torch.equal(value, saved[name][key]), f"{name}: {key} differs"
         for name, param in loaded.module.named_parameters():
-            assert torch.equal(param.data.float(), masters[name]), name
+            assert torch.equal(param.data, restored[name]["master"].to(param.dtype)), f"{name} is not its master"
+        if loaded_keep == "auto":
+            _check_fused_kept(loaded, torch.bfloat16)
+        assert all(torch.isfinite(torch.tensor(_train(loaded, config, steps=1))))
 
 
 class TestBf16OptimizerCrossLayout(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("saved_keep, loaded_keep", [([], "auto"), ("auto", [])])
-    def test_other_layout_is_refused(self, saved_keep, loaded_keep, tmp_path):
+    @pytest.mark.parametrize("saved_keep, loaded_keep", [OTHER_LAYOUTS[2]] +
+                             [pytest.param(*case, marks=pytest.mark.nightly) for case in OTHER_LAYOUTS[:2]])
+    def test_other_layout_loads_exactly(self, saved_keep, loaded_keep, tmp_path):
+        """Optimizer states saved with other parameters kept in fp32 load parameter by parameter, also where both
+        lists keep one sub-group: every master and Adam moment as saved, Adam's step carried, the parameters at their
+        masters."""
         config = _stage_config("zero1_bf16_optimizer", keep=saved_keep)
         engine = _stage_engine("zero1_bf16_optimizer", config)
-        _train(engine, config, steps=1)
+        _train(engine, config, steps=2)
         engine.save_checkpoint(str(tmp_path))
+        saved = _snapshot(engine)
         config = _stage_config("zero1_bf16_optimizer", keep=loaded_keep)
         loaded = _stage_engine("zero1_bf16_optimizer", config)
-        with pytest.raises(ValueError, match="keep_in_fp32_modules.*universal checkpoint.*load_optimizer_states"):
-            loaded.load_checkpoint(str(tmp_path))
+        assert type(loaded.optimizer).__name__ == "BF16_Optimizer"
+        loaded.load_checkpoint(str(tmp_path))
+        restored = _snapshot(loaded)
+        assert restored.keys() == saved.keys()
+        for name, (value, *states) in restored.items():
+            for what, x, y in zip(("master", "exp_avg", "exp_avg_sq"), states, saved[name][1:]):
+                assert x.dtype == torch.float32 and torch.equal(x, y), f"{name}: {what} differs"
+            assert torch.equal(value, states[0].to(value.dtype)), f"{name} is not its master"
+        assert {int(state["step"]) for state in loaded.optimizer.optimizer.state.values()} == {2}
+        assert all(torch.isfinite(torch.tensor(_train(loaded, config, steps=1))))

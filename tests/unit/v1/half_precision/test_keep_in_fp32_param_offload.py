@@ -46,7 +46,6 @@ class TestZeroInitWithParamOffload(DistributedTest):
             model.attn.sinks.data.copy_(SINK_VALUES)
         assert torch.equal(_gathered(model.attn.sinks), SINK_VALUES)
 
-
     def test_kept_partitions_stay_pinned(self):
         # DeepSpeed's own page-locking (mlock) pins host memory without a GPU; torch's pinning needs one
         os.environ.update(DS_PIN_MEMORY_BACKEND="native", DS_PIN_MEMORY_REGISTER_DEVICE="0")

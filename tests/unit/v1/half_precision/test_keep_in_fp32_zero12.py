@@ -10,9 +10,11 @@ cover for them.
   checkpoint.load_universal moves it exactly too.
 - The kept groups are partitioned over the data parallel ranks like every other group: optimizer memory divides by
   the data parallel size, kept parameters included.
-- offload_states is refused (test_keep_in_fp32_features.py has elastic_checkpoint and MoE expert param groups).
-- The gradient reduction options train with the kept parameters exact: a bucket of fp32 shared with the other
-  gradients (communication_data_type fp32), overlap_comm, contiguous_gradients off, round_robin_gradients.
+- offload_states: test_keep_in_fp32_offload_states.py; elastic_checkpoint and MoE expert param groups:
+  test_keep_in_fp32_features.py.
+- The gradient reduction options train with the kept parameters exact: the other gradients reduced in fp32 too
+  (communication_data_type fp32, also with overlap_comm), overlap_comm, contiguous_gradients off,
+  round_robin_gradients.
 """
 
 import pytest
@@ -199,21 +201,17 @@ class MoENet(torch.nn.Module):
         return self.moe(x)[0].float().pow(2).mean()
 
 
-class TestOffloadStates(DistributedTest):
-    world_size = 2
-
-    def test_offload_states(self):
-        engine = _stage_engine("zero2", _stage_config("zero2"))
-        with pytest.raises(NotImplementedError, match="offload_states.*keep_in_fp32_modules"):
-            engine.offload_states()
-
-
-
 # (the options, whether the fast subset runs them)
 REDUCTIONS = {
-    "comm_fp32_shared_bucket": ({
+    "comm_fp32": ({
         "communication_data_type": "fp32"
     }, True),
+    "comm_fp32_overlap_comm": ({
+        "communication_data_type": "fp32",
+        "zero_optimization": {
+            "overlap_comm": True
+        }
+    }, False),
     "overlap_comm": ({
         "zero_optimization": {
             "overlap_comm": True

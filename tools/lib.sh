@@ -71,19 +71,51 @@ apply_series() {
         || die "patches/ does not apply to pristine DeepSpeed $DS_VERSION (see git am output above)"
 }
 
-# Write the commits $PRISTINE_TAG..HEAD of the repo $1 as patch files into the folder $2, with a series file.
+# The pull requests of the series, in order, one line each: the file name (without its number) its first patch
+# starts with | the pull requests it applies on ("-": stock 0.19.8 alone) | what it does.
+PULL_REQUESTS=(
+    'zero_to_fp32-return-frozen-parameters|-|zero_to_fp32 returns frozen parameters as fp32'
+    'zero-stage_1_and_2-link-fp32-masters|-|ZeRO-1/2 link fp32 masters and loaded optimizer states to the right parameters'
+    'zero-fetch-parameters-with-one-all_reduce|-|keep the parameters a model names for fp32 in fp32 under ZeRO-3'
+    'zero-stage3-offload-the-partitions|3|keep them in fp32 with ZeRO-3 CPU parameter offload'
+    'bf16_optimizer-hold-parameters|3 4|keep them in fp32 under ZeRO-1/2, the BF16 optimizer and without ZeRO'
+)
+
+# Write the commits $PRISTINE_TAG..HEAD of the repo $1 as patch files into the folder $2, with a series file that
+# marks where each pull request starts ("# Pull request N, on ...: what").
 format_series() {
-    local src=$1 out=$2
+    local src=$1 out=$2 entry first on title n=0
     mkdir -p "$out"
     git -C "$src" format-patch -q --zero-commit --no-signature --no-numbered --full-index \
         -o "$out" "$PRISTINE_TAG..HEAD" >/dev/null
-    # Two pull requests: the zero_to_fp32 change (its leading patches), independent of the feature after it.
     {
         echo "# Apply in this order onto a pristine DeepSpeed $DS_VERSION tree (git am)."
-        echo "# Pull request 1, on its own: zero_to_fp32 returns frozen parameters as fp32."
-        (cd "$out" && ls -1 -- *.patch 2>/dev/null || true) | awk '
-            !/^[0-9]+-zero_to_fp32-/ && !feature { print "# Pull request 2: keep the parameters a model names" \
-                " for fp32 in fp32, in every ZeRO stage."; feature = 1 }
-            { print }'
+        for patch in $(cd "$out" && ls -1 -- *.patch 2>/dev/null); do
+            for entry in "${PULL_REQUESTS[@]}"; do
+                IFS='|' read -r first on title <<<"$entry"
+                if [[ $patch == [0-9][0-9][0-9][0-9]-$first* ]]; then
+                    n=$((n + 1))
+                    if [ "$on" = - ]; then
+                        echo "# Pull request $n, on stock $DS_VERSION alone: $title."
+                    else
+                        local word=request
+                        [[ $on == *" "* ]] && word=requests
+                        echo "# Pull request $n, on pull $word ${on// /, }: $title."
+                    fi
+                fi
+            done
+            echo "$patch"
+        done
     } >"$out/series"
+}
+
+# The patch files of pull request $1 (a number), from patches/series.
+pull_request_files() {
+    awk -v n="$1" '/^# Pull request / { split($4, a, ","); pr = a[1] } !/^#/ && NF && pr == n' \
+        "$ROOT/patches/series" | sed "s|^|$ROOT/patches/|"
+}
+
+# The pull requests pull request $1 applies on (numbers), from patches/series; nothing for stock 0.19.8 alone.
+pull_request_bases() {
+    sed -n "s/^# Pull request $1, on pull requests\{0,1\} \([0-9, ]*\):.*/\1/p" "$ROOT/patches/series" | tr -d ','
 }

@@ -269,3 +269,20 @@ class TestRoundRobinMasters(DistributedTest):
         masters = _masters(engine)
         for name, param in engine.module.named_parameters():
             assert torch.equal(masters[name], param.float()), f"{name}: its master is another parameter's values"
+
+
+class TestLoadedOptimizerStatesLinked(DistributedTest):
+    """With nothing kept (pristine 0.19.8's path), right after load_checkpoint the optimizer-state accessors read
+    the loaded states, also in an engine whose optimizer has stepped before the load."""
+    world_size = 2
+
+    def test_accessors_read_the_loaded_states(self, tmp_path):
+        config = _stage_config("zero2", keep=[])
+        saved = _save("zero2", [], str(tmp_path), optimizer_states=True)
+        engine = _stage_engine("zero2", config)
+        _train(engine, config, steps=1)  # its own states, linked at its first step
+        engine.load_checkpoint(str(tmp_path), tag=TAG)
+        for name, (master, exp_avg, exp_avg_sq) in _optimizer_states(engine).items():
+            assert torch.equal(master, saved[name][0]), f"{name}: master"
+            assert torch.equal(exp_avg, saved[name][1]), f"{name}: exp_avg is not the loaded one"
+            assert torch.equal(exp_avg_sq, saved[name][2]), f"{name}: exp_avg_sq is not the loaded one"

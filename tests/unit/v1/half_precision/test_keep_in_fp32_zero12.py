@@ -255,34 +255,3 @@ class TestGradientReduction(DistributedTest):
         _check_dtypes(engine.module, _listed_names(engine.module), torch.bfloat16)
         _check_kept_and_updated(engine)
         assert not torch.equal(_masters(engine)["attn.sinks"], SINK_VALUES)
-
-
-class TestRoundRobinMasters(DistributedTest):
-    """With round_robin_gradients and nothing kept (pristine 0.19.8's path), each parameter's fp32 master is its own
-    value, not another parameter's slice of the reordered flat buffer."""
-    world_size = 2
-
-    def test_masters_are_their_params(self):
-        config = _stage_config("zero2", keep=[])
-        config["zero_optimization"]["round_robin_gradients"] = True
-        engine = _stage_engine("zero2", config)
-        masters = _masters(engine)
-        for name, param in engine.module.named_parameters():
-            assert torch.equal(masters[name], param.float()), f"{name}: its master is another parameter's values"
-
-
-class TestLoadedOptimizerStatesLinked(DistributedTest):
-    """With nothing kept (pristine 0.19.8's path), right after load_checkpoint the optimizer-state accessors read
-    the loaded states, also in an engine whose optimizer has stepped before the load."""
-    world_size = 2
-
-    def test_accessors_read_the_loaded_states(self, tmp_path):
-        config = _stage_config("zero2", keep=[])
-        saved = _save("zero2", [], str(tmp_path), optimizer_states=True)
-        engine = _stage_engine("zero2", config)
-        _train(engine, config, steps=1)  # its own states, linked at its first step
-        engine.load_checkpoint(str(tmp_path), tag=TAG)
-        for name, (master, exp_avg, exp_avg_sq) in _optimizer_states(engine).items():
-            assert torch.equal(master, saved[name][0]), f"{name}: master"
-            assert torch.equal(exp_avg, saved[name][1]), f"{name}: exp_avg is not the loaded one"
-            assert torch.equal(exp_avg_sq, saved[name][2]), f"{name}: exp_avg_sq is not the loaded one"

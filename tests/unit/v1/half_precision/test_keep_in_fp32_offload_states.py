@@ -39,7 +39,8 @@ def _kept_storages(engine):
 class TestOffloadStates(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("stage", ["zero2", "zero3"])
+    # ZeRO-3's case builds DeepSpeed's FusedAdam op: nightly
+    @pytest.mark.parametrize("stage", ["zero2", pytest.param("zero3", marks=pytest.mark.nightly)])
     def test_round_trip_moves_kept_states_and_trains_on_exactly(self, stage):
         config = _offload_config(stage)
         engine = _engine(config, zero_init=stage == "zero3")

@@ -238,6 +238,17 @@ class TestUpgradeFromPristine(DistributedTest):
         _check_training_continues(loaded, KEPT_AUTO)
 
 
+def _resume(run_config, ckpt, saved):
+    """An engine of ``run_config`` that loaded ``ckpt`` (at step STEPS), with every parameter's master and Adam
+    moments as ``saved`` has them; returns it and the path it loaded."""
+    loaded = engine(run_config)
+    load_path, _ = loaded.load_checkpoint(ckpt)
+    assert load_path is not None
+    assert loaded.global_steps == STEPS
+    _check_loaded(loaded, saved["params"], KEPT_AUTO)
+    return loaded, load_path
+
+
 class TestUpgradeFromPristineZero2(DistributedTest):
     """A ZeRO-2 (and ZeRO-1) checkpoint saved by pristine DeepSpeed 0.19.8 holds one fp32 partition per param group;
     a run that keeps the model's list holds the kept parameters in groups of their own. engine.load_checkpoint()
@@ -253,11 +264,8 @@ class TestUpgradeFromPristineZero2(DistributedTest):
         assert not torch.equal(sinks["master"], sinks["master"].bfloat16().float())
         ckpt = os.path.join(save_dir, "ckpt")
 
-        loaded = engine(config(stage=stage))  # "auto": the sinks and the norm in fp32
-        load_path, _ = loaded.load_checkpoint(ckpt)
-        assert load_path is not None and f"{TAG}_universal" not in load_path, load_path
-        assert loaded.global_steps == STEPS
-        _check_loaded(loaded, saved["params"], KEPT_AUTO)
+        loaded, load_path = _resume(config(stage=stage), ckpt, saved)  # "auto": the sinks and the norm in fp32
+        assert f"{TAG}_universal" not in load_path, load_path
         _check_training_continues(loaded, KEPT_AUTO)
 
         if stage == 1:
@@ -265,11 +273,8 @@ class TestUpgradeFromPristineZero2(DistributedTest):
         if dist.get_rank() == 0:
             to_universal(ckpt)
         dist.barrier()
-        loaded = engine(config(stage=stage, load_universal=True))
-        load_path, _ = loaded.load_checkpoint(ckpt)
-        assert load_path is not None and f"{TAG}_universal" in load_path, load_path
-        assert loaded.global_steps == STEPS
-        _check_loaded(loaded, saved["params"], KEPT_AUTO)
+        loaded, load_path = _resume(config(stage=stage, load_universal=True), ckpt, saved)
+        assert f"{TAG}_universal" in load_path, load_path
         _check_training_continues(loaded, KEPT_AUTO)
 
 
@@ -286,13 +291,10 @@ class TestUpgradeFromPristineFlatMasters(DistributedTest):
         sinks = saved["params"]["attn.sinks"]
         assert not torch.equal(sinks["master"], sinks["master"].bfloat16().float())
 
-        loaded = engine(config(**FLAT_MASTERS[kind][0]))  # "auto": the sinks and the norm in fp32
+        # "auto": the sinks and the norm in fp32
+        loaded, _ = _resume(config(**FLAT_MASTERS[kind][0]), os.path.join(save_dir, "ckpt"), saved)
         want = "BF16_Optimizer" if kind == "bf16_optimizer" else "FP16_Optimizer"
         assert type(loaded.optimizer).__name__ == want
-        load_path, _ = loaded.load_checkpoint(os.path.join(save_dir, "ckpt"))
-        assert load_path is not None
-        assert loaded.global_steps == STEPS
-        _check_loaded(loaded, saved["params"], KEPT_AUTO)
         # Adam's step is carried
         steps = {int(state["step"]) for state in loaded.optimizer.optimizer.state.values()}
         assert steps == {STEPS + (kind != "bf16_optimizer")}, steps  # FP16_Optimizer steps once at init

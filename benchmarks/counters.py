@@ -218,15 +218,16 @@ def _master_partitions(opt):
         return "bf16_optimizer", masters, kept, list(opt.fp32_groups_gradients_flat)
     if hasattr(opt, "single_partition_of_fp32_groups"):
         masters = list(opt.single_partition_of_fp32_groups)
-        if getattr(opt, "kept_param_ids", None):
+        if getattr(opt, "keeps_params_in_fp32", False):
             kept = [opt._kept_group(i) for i in range(len(masters))]
         else:
             kept = [False] * len(masters)
         return "zero1_2", masters, kept, [None] * len(masters)
     if hasattr(opt, "fp32_partitioned_groups_flat"):
         masters = list(opt.fp32_partitioned_groups_flat)
-        if getattr(opt, "kept_param_ids", None):
-            kept = [opt._kept_in_fp32(opt.fp16_groups[i][0]) for i in range(len(masters))]
+        if getattr(opt, "keeps_params_in_fp32", False):
+            from deepspeed.runtime.keep_in_fp32 import is_kept_in_fp32  # the series only
+            kept = [is_kept_in_fp32(opt.fp16_groups[i][0]) for i in range(len(masters))]
         else:
             kept = [False] * len(masters)
         return "zero3", masters, kept, [None] * len(masters)

@@ -16,7 +16,7 @@ import torch
 
 import deepspeed
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import _build, _capture_warnings, _config, _train
+from unit.v1.half_precision.test_keep_in_fp32_modules import SinkNet, _build, _capture_warnings, _config, _train
 from unit.v1.half_precision.test_keep_in_fp32_stages import _stage_config
 from unit.v1.half_precision.test_keep_in_fp32_zero12 import MoENet
 
@@ -83,6 +83,10 @@ def _feature_config(feature, keep, tmp_path):
     return config
 
 
+class BufferOnlyNet(SinkNet):
+    _keep_in_fp32_modules_strict = ["bias_buf"]
+
+
 def _initialize(config, model):
     return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
 
@@ -123,6 +127,17 @@ class TestFeaturesThatRoundKeptParams(DistributedTest):
             assert engine.module.bias_buf.dtype == torch.float32  # the buffers it names are kept
         if trains_here:
             _train(engine, config, steps=1)
+
+    @pytest.mark.parametrize("keep", [["bias_buf"], "auto"])
+    def test_a_list_of_buffers_only_asks_nothing_of_the_feature(self, keep, tmp_path):
+        # a list that names no parameter keeps its buffers with any feature on: nothing refused, nothing warned
+        config = _feature_config("elastic_checkpoint", keep, tmp_path)
+        records = _capture_warnings()
+        engine = _initialize(config, _build(config, model_cls=BufferOnlyNet, zero_init=False))
+        assert not [r.getMessage() for r in records if "keep_in_fp32_modules" in r.getMessage()]
+        assert engine.module.bias_buf.dtype == torch.float32
+        assert engine.module.attn.sinks.dtype == torch.bfloat16
+        _train(engine, config, steps=1)
 
     def test_client_muon_optimizer(self):
         config = _stage_config("zero2", keep=["sink", "norm"])

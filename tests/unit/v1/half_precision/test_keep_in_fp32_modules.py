@@ -652,7 +652,7 @@ class TestNothingKeptIsPristine(DistributedTest):
             config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
         engine = _engine(config, zero_init=False)
         optimizer = engine.optimizer
-        assert optimizer.kept_param_ids == set() and optimizer.kept_grad_partitions_flat_buffer is None
+        assert not optimizer.keeps_params_in_fp32 and optimizer.kept_grad_partitions_flat_buffer is None
         assert optimizer.kept_param_buffer is None
         if precision != "autocast":  # whose buckets are one per communication dtype autocast gives
             assert set(optimizer.ipg_buckets) == {torch.bfloat16 if precision == "bf16" else torch.float32}
@@ -743,7 +743,7 @@ class TestOneRuleForNames(DistributedTest):
         assert len(messages) == 1, messages
         for name, param in engine.module.named_parameters():
             assert param.dtype == param.ds_tensor.dtype == torch.bfloat16, name
-        assert engine.optimizer.kept_param_ids == set()
+        assert not engine.optimizer.keeps_params_in_fp32
         assert torch.equal(_gathered(engine.module.attn.sinks), SINK_VALUES.bfloat16())
         _train(engine, config, steps=1)
 

@@ -97,7 +97,7 @@ class TestOffloadedLayout(DistributedTest):
         config = _offload_config(keep=[])
         engine = _engine(config)
         optimizer = engine.optimizer
-        assert optimizer.kept_param_ids == set() and optimizer.kept_param_flat_cpu_memory is None
+        assert not optimizer.keeps_params_in_fp32 and optimizer.kept_param_flat_cpu_memory is None
         [lp_buffer] = optimizer.param_groups_fp16_flat_cpu_memory
         assert lp_buffer.numel() == sum(p.partition_numel() for p in engine.module.parameters())
         _check_dtypes(engine.module, set(), torch.bfloat16)

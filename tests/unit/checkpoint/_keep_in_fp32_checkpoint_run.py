@@ -70,10 +70,11 @@ class SinkNet(torch.nn.Module):
         return self.out(h).float().pow(2).mean()
 
 
-def config(keep="auto", load_universal=False, stage=3, bf16_optimizer=False, dtype="bf16"):
+def config(keep="auto", load_universal=False, stage=3, bf16_optimizer=False, dtype="bf16", torch_adam=False):
     """ZeRO-3 (or ``stage``) bf16 (or ``dtype``) with Adam; ``keep`` is data_types.keep_in_fp32_modules ("auto": no
     data_types section). Stage 0 takes the default Adam, FusedAdam, which the engine wraps in FP16_Optimizer (for
-    fp16 and bf16); ``bf16_optimizer`` accumulates gradients in fp32 at stage 1, for which it takes BF16_Optimizer."""
+    fp16 and bf16), or with ``torch_adam`` torch's Adam, which it wraps in FP16_UnfusedOptimizer; ``bf16_optimizer``
+    accumulates gradients in fp32 at stage 1, for which it takes BF16_Optimizer."""
     result = {
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": 1000,
@@ -94,7 +95,7 @@ def config(keep="auto", load_universal=False, stage=3, bf16_optimizer=False, dty
     }
     if dtype == "fp16":
         result[dtype]["initial_scale_power"] = 8
-    if stage == 0:
+    if stage == 0 and not torch_adam:
         del result["optimizer"]["params"]["torch_adam"]
     if keep != "auto":
         result["data_types"] = {"keep_in_fp32_modules": keep}
@@ -156,9 +157,18 @@ def train(model_engine, steps=STEPS, first_step=0):
 
 
 def _flat_masters(optimizer):
-    """FP16_Optimizer's (stage 0) fp32 master, exp_avg and exp_avg_sq of each parameter, from its flat masters."""
+    """FP16_Optimizer's (stage 0) fp32 master, exp_avg and exp_avg_sq of each parameter, from its flat masters (of
+    FP16_UnfusedOptimizer, from its master of each parameter)."""
     from torch._utils import _unflatten_dense_tensors
     result = {}
+    if not hasattr(optimizer, "fp32_groups_flat"):  # FP16_UnfusedOptimizer
+        for params, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+            for param, master in zip(params, masters):
+                state = optimizer.optimizer.state[master]
+                result[param] = {"master": master.detach().cpu().clone()}
+                for key in ("exp_avg", "exp_avg_sq"):
+                    result[param][key] = state[key].detach().cpu().clone()
+        return result
     for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
         state = optimizer.optimizer.state[flat]
         for key, tensor in (("master", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
@@ -210,6 +220,7 @@ def main():
     parser.add_argument("--stage", type=int, default=3, help="zero_optimization.stage")
     parser.add_argument("--bf16-optimizer", action="store_true", help="at stage 1: BF16_Optimizer")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--torch-adam", action="store_true", help="at stage 0: torch's Adam, FP16_UnfusedOptimizer")
     args = parser.parse_args()
 
     import deepspeed
@@ -223,7 +234,8 @@ def main():
     ds_config = config(keep=json.loads(args.keep),
                        stage=args.stage,
                        bf16_optimizer=args.bf16_optimizer,
-                       dtype=args.dtype)
+                       dtype=args.dtype,
+                       torch_adam=args.torch_adam)
     model_engine = engine(ds_config, frozen=[n for n in args.frozen.split(",") if n])
     losses = train(model_engine)
     ckpt = os.path.join(args.out, "ckpt")

@@ -128,12 +128,14 @@ FLAT_MASTERS = {
     "bf16_optimizer": (dict(stage=1, bf16_optimizer=True), ["--stage", "1", "--bf16-optimizer"]),
     "zero0_bf16": (dict(stage=0), ["--stage", "0"]),
     "zero0_fp16": (dict(stage=0, dtype="fp16"), ["--stage", "0", "--dtype", "fp16"]),
+    "zero0_torch_adam": (dict(stage=0, torch_adam=True), ["--stage", "0", "--torch-adam"]),
 }
 
 
 @pytest.fixture(scope="module",
                 params=[
                     "bf16_optimizer",
+                    "zero0_torch_adam",
                     pytest.param("zero0_bf16", marks=pytest.mark.nightly),
                     pytest.param("zero0_fp16", marks=pytest.mark.nightly)
                 ])
@@ -282,7 +284,8 @@ class TestUpgradeFromPristineFlatMasters(DistributedTest):
     """A checkpoint of the BF16 optimizer (and of FP16_Optimizer at stage 0, bf16 and fp16) saved by pristine
     DeepSpeed 0.19.8 holds one flat fp32 master per param group; a run that keeps the model's list holds the kept
     parameters in sub-groups of their own. engine.load_checkpoint() moves each parameter's master and Adam moments
-    to where this run holds them, exactly."""
+    to where this run holds them, exactly. FP16_UnfusedOptimizer (torch's Adam at stage 0) keeps a master per
+    parameter: the load gives a kept parameter its master's exact value, not the module's rounded one."""
     world_size = 2
 
     def test_pristine_checkpoint_loads_with_optimizer_states(self, pristine_save_flat_masters):
@@ -293,11 +296,11 @@ class TestUpgradeFromPristineFlatMasters(DistributedTest):
 
         # "auto": the sinks and the norm in fp32
         loaded, _ = _resume(config(**FLAT_MASTERS[kind][0]), os.path.join(save_dir, "ckpt"), saved)
-        want = "BF16_Optimizer" if kind == "bf16_optimizer" else "FP16_Optimizer"
+        want = {"bf16_optimizer": "BF16_Optimizer", "zero0_torch_adam": "FP16_UnfusedOptimizer"}.get(kind, "FP16_Optimizer")
         assert type(loaded.optimizer).__name__ == want
         # Adam's step is carried
         steps = {int(state["step"]) for state in loaded.optimizer.optimizer.state.values()}
-        assert steps == {STEPS + (kind != "bf16_optimizer")}, steps  # FP16_Optimizer steps once at init
+        assert steps == {STEPS + (kind != "bf16_optimizer")}, steps  # the fp16 optimizers step once at init
         _check_training_continues(loaded, KEPT_AUTO)
 
 

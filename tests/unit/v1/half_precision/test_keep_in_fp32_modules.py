@@ -13,6 +13,7 @@ and every forward pass sees its fp32 master exactly.
 import contextlib
 import itertools
 import logging
+import types
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import (logger, safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                              safe_set_full_fp32_param)
 from unit.common import DistributedTest
@@ -671,6 +673,14 @@ class TestNothingKeptIsPristine(DistributedTest):
         finally:
             accelerator.unpin_memory = original
         assert any(t is buffer for t in unpinned)
+
+
+def test_casting_a_zero_init_model_that_keeps_nothing_needs_only_the_module():
+    """With nothing kept, the engine's cast of a zero.Init model reads nothing but its module, as in 0.19.8 (upstream's
+    own tests call it with a stand-in engine): it leaves the parameters to zero.Init."""
+    module = torch.nn.Linear(3, 3)
+    DeepSpeedEngine._cast_module_mixed_precision(types.SimpleNamespace(module=module), torch.bfloat16, None, True)
+    assert all(p.dtype == torch.float32 for p in module.parameters())
 
 
 class Block(torch.nn.Module):

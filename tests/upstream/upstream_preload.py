@@ -1,7 +1,7 @@
 # Imported by the forkserver of each pytest process that tools/test-upstream runs, before it forks the ranks of
 # upstream's DistributedTest (multiprocessing.set_forkserver_preload). Each rank then starts with torch, DeepSpeed
-# and the test file already imported instead of importing them again (4 to 6 s of CPU a rank, on a machine where a
-# distributed test takes 10 s), the same for stock and the series. Nothing here changes what a test runs.
+# and the test file already imported instead of importing them again, the same for stock and the series. Nothing
+# here changes what a test runs.
 import importlib
 import os
 import sys

@@ -251,9 +251,9 @@ def _backend_collectives():
 # updated partitions after the step, as it does the training dtype's (ZeRO-3 gathers parameters of both dtypes in one
 # collective at the next fetch, and stage 0 does not partition).
 GATHERS_KEPT_PARTITIONS = ["zero1", "zero2", "zero1_bf16_optimizer"]
-# The stages that all-reduce the gradient norm of each group (ZeRO-1/2) or sub-group (ZeRO-3) by itself, the kept
-# ones too: one scalar all-reduce more.
-REDUCES_KEPT_NORM = ["zero1", "zero2", "zero3", "zero3_offload"]
+# The stages that all-reduce the gradient norm of each sub-group by itself (ZeRO-3), the kept ones too: one scalar
+# all-reduce more. ZeRO-1/2 all-reduce one norm per param group, over its parameters of both dtypes.
+REDUCES_KEPT_NORM = ["zero3", "zero3_offload"]
 
 
 def _added_collectives(stage):
@@ -264,8 +264,8 @@ def _added_collectives(stage):
 class TestStagesStepCollectives(DistributedTest):
     """Keeping parameters in fp32 adds one reduction to a training step, in every stage: that of their fp32
     gradients. ZeRO-1/2 and the BF16 optimizer partition the kept fp32 masters like every other group, so their
-    updated partitions are all-gathered after the step: one collective more there. ZeRO-1/2/3 all-reduce the kept
-    groups' gradient norm as any group's: one scalar all-reduce more there."""
+    updated partitions are all-gathered after the step: one collective more there. ZeRO-3 all-reduces the kept
+    sub-groups' gradient norm as any sub-group's: one scalar all-reduce more there."""
     world_size = 2
 
     @pytest.mark.parametrize("stage, offload_optimizer", [(stage, False) for stage in STAGES] +
@@ -337,6 +337,64 @@ class TestFp32CommunicationBuckets(DistributedTest):
         added = collections.Counter(calls["auto"])
         added.subtract(collections.Counter(calls["[]"]))
         assert len(calls["auto"]) <= len(calls["[]"]) + _added_collectives(stage), dict(added)
+
+
+@contextlib.contextmanager
+def _backend_calls():
+    """Each collective that reaches DeepSpeed's communication backend while the block runs: its name, the dtype and
+    number of elements of its first tensor, and whether it was launched with async_op."""
+    cdb = dist.comm.cdb
+    calls = []
+
+    def spy(name, collective):
+
+        def record(*args, **kwargs):
+            tensor = next(a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a))
+            async_op = kwargs.get("async_op", args[3] if name == "all_reduce" and len(args) > 3 else False)
+            calls.append((name, tensor.dtype, tensor.numel(), bool(async_op)))
+            return collective(*args, **kwargs)
+
+        return record
+
+    originals = {name: getattr(cdb, name) for name in ("all_reduce", "all_gather_into_tensor")}
+    for name, collective in originals.items():
+        setattr(cdb, name, spy(name, collective))
+    try:
+        yield calls
+    finally:
+        for name, collective in originals.items():
+            setattr(cdb, name, collective)
+
+
+class TestStagesKeptCollectivesOverlap(DistributedTest):
+    """The collectives that keeping adds run beside the others rather than after them, so that a step waits for
+    them once: the fp32 all-reduce of the kept gradients is launched before the training dtype's gradients are
+    reduced and waited for after them, and ZeRO-1/2 and the BF16 optimizer launch the all-gathers of the updated
+    partitions of both dtypes together. ZeRO-1/2 all-reduce a param group's gradient norm once, over its
+    parameters of both dtypes, as without keeping."""
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero1_bf16_optimizer"])
+    def test_kept_collectives_run_beside_the_others(self, stage):
+        config = _stage_config(stage)
+        config["gradient_clipping"] = 1.0
+        engine = _stage_engine(stage, config)
+        _train(engine, config, steps=1)
+        with _backend_calls() as calls:
+            _train(engine, config, steps=1)
+        reductions = [(i, dtype, launched_async) for i, (name, dtype, numel, launched_async) in enumerate(calls)
+                      if name == "all_reduce" and numel > 1 and dtype != torch.uint8]
+        kept = [(i, launched_async) for i, dtype, launched_async in reductions if dtype == torch.float32]
+        others = [i for i, dtype, _ in reductions if dtype == torch.bfloat16]
+        assert len(kept) == 1 and others, calls
+        assert kept[0][1] and kept[0][0] < others[-1], f"the kept gradients are reduced after the others: {calls}"
+        gathers = [(dtype, launched_async) for name, dtype, _, launched_async in calls
+                   if name == "all_gather_into_tensor"]
+        if stage in GATHERS_KEPT_PARTITIONS:
+            assert sorted(str(dtype) for dtype, _ in gathers) == ["torch.bfloat16", "torch.float32"], calls
+            assert all(launched_async for _, launched_async in gathers), calls
+        norms = [call for call in calls if call[0] == "all_reduce" and call[2] == 1 and call[1] == torch.float32]
+        assert len(norms) == (stage in ("zero1", "zero2")), calls
 
 
 class TestStagesCheckpoint(DistributedTest):

@@ -224,27 +224,35 @@ BACKEND_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "inference_all_redu
 
 
 @contextlib.contextmanager
-def _backend_collectives():
-    """The names of the collectives that reach DeepSpeed's communication backend while the block runs."""
+def _backend_spy(names, on_call):
+    """Calls ``on_call(name, args, kwargs)`` for each collective of ``names`` that reaches DeepSpeed's communication
+    backend while the block runs."""
     cdb = dist.comm.cdb
-    calls = []
 
     def spy(name, collective):
 
         def record(*args, **kwargs):
-            calls.append(name)
+            on_call(name, args, kwargs)
             return collective(*args, **kwargs)
 
         return record
 
-    originals = {name: getattr(cdb, name) for name in BACKEND_COLLECTIVES if hasattr(cdb, name)}
+    originals = {name: getattr(cdb, name) for name in names if hasattr(cdb, name)}
     for name, collective in originals.items():
         setattr(cdb, name, spy(name, collective))
     try:
-        yield calls
+        yield
     finally:
         for name, collective in originals.items():
             setattr(cdb, name, collective)
+
+
+@contextlib.contextmanager
+def _backend_collectives():
+    """The names of the collectives that reach DeepSpeed's communication backend while the block runs."""
+    calls = []
+    with _backend_spy(BACKEND_COLLECTIVES, lambda name, args, kwargs: calls.append(name)):
+        yield calls
 
 
 # The stages whose optimizer partitions the kept fp32 masters over the data parallel ranks and all-gathers the
@@ -341,29 +349,17 @@ class TestFp32CommunicationBuckets(DistributedTest):
 
 @contextlib.contextmanager
 def _backend_calls():
-    """Each collective that reaches DeepSpeed's communication backend while the block runs: its name, the dtype and
-    number of elements of its first tensor, and whether it was launched with async_op."""
-    cdb = dist.comm.cdb
+    """Each all-reduce and all-gather that reaches DeepSpeed's communication backend while the block runs: its name,
+    the dtype and number of elements of its first tensor, and whether it was launched with async_op."""
     calls = []
 
-    def spy(name, collective):
+    def record(name, args, kwargs):
+        tensor = next(a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a))
+        async_op = kwargs.get("async_op", args[3] if name == "all_reduce" and len(args) > 3 else False)
+        calls.append((name, tensor.dtype, tensor.numel(), bool(async_op)))
 
-        def record(*args, **kwargs):
-            tensor = next(a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a))
-            async_op = kwargs.get("async_op", args[3] if name == "all_reduce" and len(args) > 3 else False)
-            calls.append((name, tensor.dtype, tensor.numel(), bool(async_op)))
-            return collective(*args, **kwargs)
-
-        return record
-
-    originals = {name: getattr(cdb, name) for name in ("all_reduce", "all_gather_into_tensor")}
-    for name, collective in originals.items():
-        setattr(cdb, name, spy(name, collective))
-    try:
+    with _backend_spy(("all_reduce", "all_gather_into_tensor"), record):
         yield calls
-    finally:
-        for name, collective in originals.items():
-            setattr(cdb, name, collective)
 
 
 class TestStagesKeptCollectivesOverlap(DistributedTest):

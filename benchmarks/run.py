@@ -170,6 +170,11 @@ def run_paired(args, model, world_size, extra_spec, label, stage):
         "total_ratio": ratio(sum(wall[1]), sum(wall[0])),
         "cpu_total_ratio": ratio(sum(cpu[1]), sum(cpu[0])),
         "cpu_median_step_ratio": report.stats([b / a for a, b in zip(*cpu)])["median"],
+        # minor page faults per step, summed over the ranks (memory the allocator returned and touches again)
+        "minor_faults_median": [
+            report.stats([sum(r["minor_faults"][i][s] for r in ranks) for s in range(steps)])["median"]
+            for i in range(2)
+        ],
         "fp32_params": ranks[0]["fp32_params"],
     }
     print(
@@ -211,12 +216,12 @@ def paired_table(paired):
             f"{fmt_ratio(s['median_step_ratio_ci95'][1])}]",
             fmt_ratio(s["total_ratio"]),
             fmt_ratio(s["cpu_median_step_ratio"]),
-            fmt_ratio(s["cpu_total_ratio"])
+            fmt_ratio(s["cpu_total_ratio"]), f"{s['minor_faults_median'][0]:.0f} / {s['minor_faults_median'][1]:.0f}"
         ])
     return report.markdown_table([
         "model", "world", "stage", "step pairs", "fp32 params ([] / kept)", "[] step ms (median)",
         "kept step ms (median)", "kept / []: median of step ratios [95 % CI]", "kept / []: total time",
-        "CPU: median of step ratios", "CPU: total"
+        "CPU: median of step ratios", "CPU: total", "minor page faults per step, all ranks ([] / kept, median)"
     ], rows)
 
 

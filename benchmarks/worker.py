@@ -75,15 +75,25 @@ def build_engine(spec, config):
     return engine, loss_fn
 
 
-def timed_step(engine, loss_fn, ids, acc):
-    """One training step; returns its loss (a float), wall-clock and CPU seconds (this process)."""
+def _minor_faults():
+    """This process's minor page faults so far: memory the allocator gave back to the OS and touches again."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed_step(engine, loss_fn, ids, acc, faults=None):
+    """One training step; returns its loss (a float), wall-clock and CPU seconds (this process). Appends the step's
+    minor page faults to ``faults`` when given."""
     acc.synchronize()
+    faults_start = _minor_faults()
     start, cpu_start = time.perf_counter(), time.process_time()
     loss = loss_fn(engine, ids)
     engine.backward(loss)
     engine.step()
     acc.synchronize()
     wall, cpu_time = time.perf_counter() - start, time.process_time() - cpu_start
+    if faults is not None:
+        faults.append(_minor_faults() - faults_start)
     return loss.detach().float().item(), wall, cpu_time
 
 
@@ -100,13 +110,14 @@ def _paired_main(spec, rank, job_dir, device):
     batches = [torch.randint(0, VOCAB, (spec["micro_batch"], spec["seq"]), generator=gen) for _ in range(total_steps)]
     times = [[] for _ in engines]
     cpu = [[] for _ in engines]
+    faults = [[] for _ in engines]
     losses = [[] for _ in engines]
     for step in range(total_steps):
         # alternate which engine goes first, so that neither always follows the other
         order = range(len(engines)) if step % 2 == 0 else reversed(range(len(engines)))
         for i in order:
             engine, loss_fn = engines[i]
-            loss, wall, cpu_time = timed_step(engine, loss_fn, batches[step].to(device), acc)
+            loss, wall, cpu_time = timed_step(engine, loss_fn, batches[step].to(device), acc, faults[i])
             times[i].append(wall)
             cpu[i].append(cpu_time)
             losses[i].append(loss)
@@ -115,6 +126,7 @@ def _paired_main(spec, rank, job_dir, device):
         "paired": True,
         "step_times": [t[spec["warmup"]:] for t in times],
         "cpu_times": [c[spec["warmup"]:] for c in cpu],
+        "minor_faults": [f[spec["warmup"]:] for f in faults],
         "losses": losses,
         "fp32_params": [sum(p.dtype == torch.float32 for p in e.module.parameters()) for e, _ in engines],
     }

@@ -3,7 +3,8 @@
 
 # DeepSpeed Team
 """Parameters kept in fp32 by the engine's fp16/bf16 optimizers (no ZeRO, and BF16_Optimizer under ZeRO-1): their
-gradients are reduced in fp32, FusedAdam without ZeRO (FP16_Optimizer) keeps them in sub-groups of their own, the
+gradients are reduced in fp32, torch optimizers without ZeRO (FP16_UnfusedOptimizer) take them as their own masters,
+FusedAdam without ZeRO (FP16_Optimizer) keeps them in sub-groups of their own, the
 fused steps that hold one dtype fall back ("auto") or refuse (an explicit list), and BF16_Optimizer and FP16_Optimizer
 load optimizer states saved with another set of kept parameters parameter by parameter, exactly."""
 
@@ -44,6 +45,36 @@ class TestFusedAdamKeepsNothing(DistributedTest):
         assert type(engine.optimizer).__name__ == "FP16_Optimizer"
         _check_dtypes(engine.module, set(), torch.float16)
         assert len(engine.optimizer.fp32_groups_flat) == len(engine.optimizer.param_groups) == 1
+
+
+class TestUnfusedOptimizerWithoutZero(DistributedTest):
+    """Torch's Adam at stage 0 (FP16_UnfusedOptimizer): a parameter kept in fp32 is its own master, so that its
+    fp32 value is held once, and it trains in fp32."""
+    world_size = 1
+
+    @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+    def test_kept_parameter_is_its_own_master(self, dtype):
+        config = _stage_config("zero0", dtype=dtype)
+        engine = _stage_engine("zero0", config)
+        optimizer = engine.optimizer
+        assert type(optimizer).__name__ == "FP16_UnfusedOptimizer"
+        kept = _listed_names(engine.module)
+        assert kept
+        _check_dtypes(engine.module, kept, torch.bfloat16 if dtype == "bf16" else torch.float16)
+
+        def check_masters():
+            for params, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+                for param, master in zip(params, masters):
+                    name = engine.param_names[param]
+                    assert (master is param) == (name in kept), name
+                    assert master.dtype == torch.float32
+
+        check_masters()
+        # the step that makes the optimizer's states at init (with weight decay) leaves the kept values as they were
+        assert torch.equal(_sinks(engine.module).data, SINK_VALUES)
+        _train(engine, config, steps=3)
+        check_masters()
+        _check_kept_and_updated(engine)
 
 
 def _fused_config(dtype, keep="auto"):

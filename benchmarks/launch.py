@@ -128,9 +128,10 @@ def remove_shm_segments(port, addr="127.0.0.1"):
             pass
 
 
-def launch(spec, build, world_size, job_dir, timeout=1200):
+def launch(spec, build, world_size, job_dir, timeout=1200, extra_env=None):
     """Run one training job with the given build: ``torchrun --nproc-per-node world_size worker.py SPEC``, one
-    process per rank (gloo on the CPU, NCCL on CUDA). Returns the ranks' results (``rank<r>.json``).
+    process per rank (gloo on the CPU, NCCL on CUDA), with ``extra_env`` added to their environment. Returns the
+    ranks' results (``rank<r>.json``).
 
     torchrun stops the other ranks when one fails; its own output goes to ``torchrun.log``, each rank's to
     ``rank<r>.log`` in ``job_dir``.
@@ -144,7 +145,7 @@ def launch(spec, build, world_size, job_dir, timeout=1200):
     spec_path = job_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     prepare_build(build)
-    env = build_env(build)
+    env = dict(build_env(build), **(extra_env or {}))
     # The CPU accelerator counts its devices from LOCAL_SIZE (DeepSpeed's own launcher sets it; torchrun does not).
     env["LOCAL_SIZE"] = str(world_size)
     port = _free_port()

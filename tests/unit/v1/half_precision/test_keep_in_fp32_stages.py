@@ -347,18 +347,23 @@ class TestFp32CommunicationBuckets(DistributedTest):
         assert len(calls["auto"]) <= len(calls["[]"]) + _added_collectives(stage), dict(added)
 
 
+# Where the backend's collectives take async_op when it is passed by position.
+ASYNC_OP_POSITION = {"all_reduce": 3, "reduce_scatter_tensor": 4}
+
+
 @contextlib.contextmanager
-def _backend_calls():
-    """Each all-reduce and all-gather that reaches DeepSpeed's communication backend while the block runs: its name,
+def _backend_calls(names=("all_reduce", "all_gather_into_tensor")):
+    """Each collective of ``names`` that reaches DeepSpeed's communication backend while the block runs: its name,
     the dtype and number of elements of its first tensor, and whether it was launched with async_op."""
     calls = []
 
     def record(name, args, kwargs):
         tensor = next(a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a))
-        async_op = kwargs.get("async_op", args[3] if name == "all_reduce" and len(args) > 3 else False)
+        position = ASYNC_OP_POSITION.get(name, len(args))
+        async_op = kwargs.get("async_op", args[position] if position < len(args) else False)
         calls.append((name, tensor.dtype, tensor.numel(), bool(async_op)))
 
-    with _backend_spy(("all_reduce", "all_gather_into_tensor"), record):
+    with _backend_spy(names, record):
         yield calls
 
 
@@ -391,6 +396,26 @@ class TestStagesKeptCollectivesOverlap(DistributedTest):
             assert all(launched_async for _, launched_async in gathers), calls
         norms = [call for call in calls if call[0] == "all_reduce" and call[2] == 1 and call[1] == torch.float32]
         assert len(norms) == (stage in ("zero1", "zero2")), calls
+
+
+class TestStage3KeptReductionOverlap(DistributedTest):
+    """ZeRO-3 reduce-scatters the kept gradients that are left at the end of backward (their bucket seldom fills)
+    beside the training dtype's: the fp32 reduce-scatter is launched before the last bf16 one and waited for after
+    it, with and without offload."""
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", ["zero3", "zero3_offload"])
+    def test_kept_reduce_scatter_runs_beside_the_others(self, stage):
+        config = _config() if stage == "zero3" else _stage_config(stage)
+        engine = _stage_engine(stage, config)
+        _train(engine, config, steps=1)
+        with _backend_calls(("reduce_scatter_tensor", )) as calls:
+            _train(engine, config, steps=1)
+        kept = [(i, launched_async) for i, (_, dtype, _, launched_async) in enumerate(calls)
+                if dtype == torch.float32]
+        others = [i for i, (_, dtype, _, _) in enumerate(calls) if dtype == torch.bfloat16]
+        assert len(kept) == 1 and others, calls
+        assert kept[0][1] and kept[0][0] < others[-1], f"the kept gradients are reduced after the others: {calls}"
 
 
 class TestStagesCheckpoint(DistributedTest):

@@ -22,6 +22,10 @@ def machine_description():
     except OSError:
         pass
     info["cpu"] = cpu
+    # torch's CPU kernels: without AVX-512 bf16 (or AMX) torch's bf16 and fp16 matmuls fall to a path about 100x
+    # slower than fp32's, and a step of a compute-bound model measures that path
+    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info["bf16_matmul_kernels"] = _has_bf16_matmul_kernels()
     info["cores"] = os.cpu_count()
     try:
         info["cores_usable"] = len(os.sched_getaffinity(0))
@@ -44,8 +48,26 @@ def machine_description():
     return info
 
 
+def _has_bf16_matmul_kernels():
+    """Whether the CPU has the instructions (avx512_bf16, amx_bf16) that oneDNN's bf16 matmuls need."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return None
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+def cpu_kernels(info):
+    """torch's CPU capability and whether bf16 matmuls have their kernels, in words."""
+    if "cpu_capability" not in info:
+        return "CPU kernels unknown"
+    bf16 = {True: "bf16 matmul kernels", False: "no bf16 matmul kernels", None: "bf16 matmul kernels unknown"}
+    return f"torch CPU capability {info['cpu_capability']}, {bf16[info['bf16_matmul_kernels']]}"
+
+
 def machine_line(info):
-    line = (f"{info['cpu']}, {info['cores']} cores ({info['cores_usable']} usable)"
+    line = (f"{info['cpu']}, {info['cores']} cores ({info['cores_usable']} usable), {cpu_kernels(info)}"
             f"{', %s GiB RAM' % info['memory_gib'] if 'memory_gib' in info else ''}; "
             f"Python {info['python']}, torch {info['torch']}, transformers {info.get('transformers', '?')}")
     if "gpu" in info:

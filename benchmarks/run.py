@@ -691,7 +691,9 @@ def main():
         "", "Stages: " + "; ".join(f"`{st}`: {configs.STAGES.get(st) or configs.MORE_STAGES[st]}"
                                    for st in args.stages) + ".", "",
         f"Each row: {'bf16' if args.gpt_oss_mode == 'list' else 'bf16 (gpt-oss: fp16)'}, AdamW (torch), gradient "
-        f"clipping 1.0, micro batch {args.micro_batch} x {args.seq} tokens per rank; ZeRO-1/2: reduce and all-gather "
+        f"clipping 1.0, micro batch {args.micro_batch} x {args.seq} tokens per rank"
+        f"{f' ({args.micro_batch} x {args.compute_seq} for the compute-bound model)' if args.compute_dim else ''}; "
+        "ZeRO-1/2: reduce and all-gather "
         "buckets of 50,000 elements; ZeRO-3: stage3_param_persistence_threshold 0 (every parameter is fetched), "
         f"reduce and prefetch buckets of 50,000 elements; {args.warmup} warm-up steps, then {args.steps} timed steps"
         f"{f', in each of {args.rounds} interleaved rounds (pooled)' if args.rounds > 1 else ''}; a step's time is "

@@ -411,8 +411,7 @@ class TestStage3KeptReductionOverlap(DistributedTest):
         _train(engine, config, steps=1)
         with _backend_calls(("reduce_scatter_tensor", )) as calls:
             _train(engine, config, steps=1)
-        kept = [(i, launched_async) for i, (_, dtype, _, launched_async) in enumerate(calls)
-                if dtype == torch.float32]
+        kept = [(i, launched_async) for i, (_, dtype, _, launched_async) in enumerate(calls) if dtype == torch.float32]
         others = [i for i, (_, dtype, _, _) in enumerate(calls) if dtype == torch.bfloat16]
         assert len(kept) == 1 and others, calls
         assert kept[0][1] and kept[0][0] < others[-1], f"the kept gradients are reduced after the others: {calls}"

@@ -22,7 +22,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_g
 from unit import tiny_hf_models
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (HIDDEN, SINK_VALUES, Norm, _batch, _config, _engine,
-                                                               _gathered, _listed_names, _sinks, _train)
+                                                              _gathered, _listed_names, _sinks, _train)
 
 # The zero_optimization section of each stage; "zero1_bf16_optimizer" is ZeRO-1 with bf16 and fp32 gradient
 # accumulation, which the engine gives to its BF16 optimizer.
@@ -294,25 +294,28 @@ class TestStagesStepCollectives(DistributedTest):
 
 
 class InterleavedNorms(torch.nn.Module):
-    """Four layers, each a bf16 linear and a listed norm: backward meets a kept gradient after every other one."""
+    """Four layers, each a bf16 linear and a listed norm, then a bf16 linear: backward meets a kept gradient after
+    every other one, and a bf16 one first."""
     _keep_in_fp32_modules_strict = ["norm"]
 
     def __init__(self, layers=4):
         super().__init__()
         self.lins = torch.nn.ModuleList([torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(layers)])
         self.norms = torch.nn.ModuleList([Norm(HIDDEN) for _ in range(layers)])
+        self.out = torch.nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x):
         h = x
         for lin, norm in zip(self.lins, self.norms):
             h = norm(lin(h)).to(x.dtype)
-        return h.float().pow(2).mean()
+        return self.out(h).float().pow(2).mean()
 
 
 class TestFp32CommunicationBuckets(DistributedTest):
-    """With communication_data_type fp32 the other parameters' gradients are reduced in fp32 too, but the kept ones
-    still have a bucket of their own: keeping adds one reduction per step (and the collectives _added_collectives
-    counts), not one at every switch between a kept parameter and another in backward."""
+    """With communication_data_type fp32 the other parameters' gradients are reduced in fp32 too. ZeRO-1/2 still
+    reduce the kept ones in a bucket of their own: keeping adds one reduction per step (and the collectives
+    _added_collectives counts), not one at every switch between a kept parameter and another in backward. ZeRO-3
+    reduces them in the others' fp32 bucket: no reduction more."""
     world_size = 2
 
     # each stage, ZeRO-2 with overlap_comm too, with and without contiguous_gradients
@@ -345,6 +348,34 @@ class TestFp32CommunicationBuckets(DistributedTest):
         added = collections.Counter(calls["auto"])
         added.subtract(collections.Counter(calls["[]"]))
         assert len(calls["auto"]) <= len(calls["[]"]) + _added_collectives(stage), dict(added)
+
+    @pytest.mark.parametrize("reduce_scatter", [True, False])
+    def test_zero3_reduces_kept_gradients_in_the_fp32_bucket(self, reduce_scatter):
+        """The same reductions as with nothing kept, and the kept gradients bit for bit those that their own bucket
+        reduces under the default communication_data_type, not rounded to the bf16 gradients' accumulation dtype
+        (a bf16 gradient comes first in the bucket, in the order of backward and of ds_id)."""
+        reductions, grads = {}, {}
+        for keep, comm in (("auto", "fp32"), ([], "fp32"), ("auto", None)):
+            config = _config(keep=keep, reduce_scatter=reduce_scatter)
+            if comm is not None:
+                config["communication_data_type"] = comm
+            torch.manual_seed(42)
+            model = InterleavedNorms()
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            _train(engine, config, steps=1)
+            with _backend_calls(("all_reduce", "reduce_scatter_tensor")) as calls:
+                engine.backward(engine(_batch(1, config)))
+            grads[(str(keep), comm)] = {
+                name: safe_get_full_grad(p)
+                for name, p in engine.module.named_parameters() if "norms" in name
+            }
+            engine.step()
+            reductions[(str(keep), comm)] = collections.Counter(
+                (name, dtype) for name, dtype, numel, _ in calls if numel > 1)
+        assert reductions[("auto", "fp32")] == reductions[("[]", "fp32")], reductions
+        for name, grad in grads[("auto", "fp32")].items():
+            assert grad.dtype == torch.float32 and torch.equal(grad, grads[("auto", None)][name]), name
+        assert any(not torch.equal(g, g.bfloat16().float()) for g in grads[("auto", "fp32")].values())
 
 
 # Where the backend's collectives take async_op when it is passed by position.

@@ -746,7 +746,8 @@ def main():
             "gradients wait for their bucket's reduction in the tensors autograd made, at most 4 bytes per kept "
             "element of the full size (the `in flight` column), and are freed once reduce-scattered into the fp32 "
             "partitions; the training dtype's gradients wait in pristine's own bucket, which the series leaves as "
-            "it is.", "", tables["theory"], ""
+            "it is. With `communication_data_type: fp32` the kept gradients wait in that bucket too, which is "
+            "fp32 then.", "", tables["theory"], ""
         ]
         md += [
             "### Collectives per step, by kind and dtype", "",

@@ -349,14 +349,15 @@ class TestFp32CommunicationBuckets(DistributedTest):
         added.subtract(collections.Counter(calls["[]"]))
         assert len(calls["auto"]) <= len(calls["[]"]) + _added_collectives(stage), dict(added)
 
-    @pytest.mark.parametrize("reduce_scatter", [True, False])
-    def test_zero3_reduces_kept_gradients_in_the_fp32_bucket(self, reduce_scatter):
+    @pytest.mark.parametrize("stage, reduce_scatter", [("zero3", True), ("zero3", False), ("zero3_offload", True)])
+    def test_zero3_reduces_kept_gradients_in_the_fp32_bucket(self, stage, reduce_scatter):
         """The same reductions as with nothing kept, and the kept gradients bit for bit those that their own bucket
         reduces under the default communication_data_type, not rounded to the bf16 gradients' accumulation dtype
         (a bf16 gradient comes first in the bucket, in the order of backward and of ds_id)."""
         reductions, grads = {}, {}
         for keep, comm in (("auto", "fp32"), ([], "fp32"), ("auto", None)):
-            config = _config(keep=keep, reduce_scatter=reduce_scatter)
+            config = _config(keep=keep) if stage == "zero3" else _stage_config(stage, keep=keep)
+            config["zero_optimization"]["reduce_scatter"] = reduce_scatter
             if comm is not None:
                 config["communication_data_type"] = comm
             torch.manual_seed(42)

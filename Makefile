@@ -6,7 +6,7 @@ export DS_ACCELERATOR ?= cpu
 # A tag for the wheel's version: deepspeed-0.19.8+$(TAG).
 TAG ?= keepfp32
 
-.PHONY: setup refresh check test test-all test-pristine test-upstream gpu-check wheel demo bench study results clean
+.PHONY: setup refresh check test test-all test-pristine test-upstream gpu-check gpu-kit gpu-rehearse wheel demo bench study results clean
 
 setup:
 	@tools/setup
@@ -33,6 +33,14 @@ test-upstream: setup
 # The GPU check (CUDA when present; DS_ACCELERATOR=cpu runs it on the CPU, as CI does in its short form).
 gpu-check: setup
 	@tools/gpu-check $(ARGS)
+
+# What the GPU machine (no network) installs from: build/gpu-kit; carry it there and run `bash tools/gpu-run`.
+gpu-kit: setup
+	@tools/gpu-kit
+
+# tools/gpu-run here as the GPU machine runs it: offline, from the tracked files and the kit, on the CPU (CI).
+gpu-rehearse: gpu-kit
+	@tools/gpu-rehearse $(ARGS)
 
 wheel: setup
 	@tools/wheel $(TAG)

@@ -46,7 +46,17 @@ def build_engine(spec, config):
     # "fp32" and "autocast" (torch autocast, no bf16/fp16 section) train fp32 weights
     train_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["dtype"], torch.float32)
     torch.manual_seed(spec["seed"])
-    if spec["model"] in HF_MODELS:
+    if spec["model"] == "hf_config":
+        # A transformers model from its config (tiny_hf_models' kind at the spec's sizes), built whole, weights
+        # initialised, on the rank's device (a large model would take minutes on the CPU); the engine casts it.
+        from deepspeed.accelerator import get_accelerator
+        with torch.device(get_accelerator().current_device_name()):
+            model = tiny_hf_models.model_class(spec["hf_kind"])(tiny_hf_models.config(spec["hf_kind"],
+                                                                                      **spec["hf_sizes"]))
+
+        def loss_fn(engine, ids):
+            return engine(input_ids=ids, labels=ids).loss
+    elif spec["model"] in HF_MODELS:
         from transformers.integrations import HfDeepSpeedConfig
         hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841  (ZeRO-3: zero.Init while from_pretrained runs)
         model = tiny_hf_models.model_class(spec["model"]).from_pretrained(spec["model_dir"], dtype=train_dtype)
@@ -104,10 +114,16 @@ def _paired_main(spec, rank, job_dir, device):
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
     acc = get_accelerator()
-    engines = [build_engine(spec, config) for config in spec["paired"]]
     gen = torch.Generator().manual_seed(spec["seed"] * 1000 + rank)
     total_steps = spec["warmup"] + spec["steps"]
-    batches = [torch.randint(0, VOCAB, (spec["micro_batch"], spec["seq"]), generator=gen) for _ in range(total_steps)]
+    vocab = spec.get("vocab", VOCAB)
+    batches = [torch.randint(0, vocab, (spec["micro_batch"], spec["seq"]), generator=gen) for _ in range(total_steps)]
+    engines, memory = [], []
+    for config in spec["paired"]:
+        if spec.get("memory") and acc.device_name() != "cpu":
+            memory.append(_engine_memory(spec, config, batches[0].to(device), acc, engines))
+        else:
+            engines.append(build_engine(spec, config))
     times = [[] for _ in engines]
     cpu = [[] for _ in engines]
     faults = [[] for _ in engines]
@@ -130,9 +146,33 @@ def _paired_main(spec, rank, job_dir, device):
         "losses": losses,
         "fp32_params": [sum(p.dtype == torch.float32 for p in e.module.parameters()) for e, _ in engines],
     }
+    if memory:
+        result["memory"] = memory
     dist.barrier()
     (job_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
+
+
+def _engine_memory(spec, config, ids, acc, engines):
+    """Build an engine (appended to ``engines``) and measure its device memory as if it were alone: what it holds
+    once its optimizer state exists (after one step), and how far the allocator's peak rises above that during a
+    step. Also the allocator's reserved memory after that step (the whole process: cached blocks, and blocks that a
+    ``record_stream`` keeps until its stream's work is done)."""
+    acc.synchronize()
+    base = acc.memory_allocated()
+    engine, loss_fn = build_engine(spec, config)
+    engines.append((engine, loss_fn))
+    timed_step(engine, loss_fn, ids, acc)
+    held = acc.memory_allocated()
+    acc.reset_peak_memory_stats()
+    timed_step(engine, loss_fn, ids, acc)
+    return {
+        "held_bytes": held - base,
+        "step_peak_above_held_bytes": acc.max_memory_allocated() - held,
+        "peak_alone_bytes": acc.max_memory_allocated() - base,
+        "reserved_bytes": acc.memory_reserved(),
+        "max_reserved_bytes": acc.max_memory_reserved(),
+    }
 
 
 def _numel(p):

@@ -28,6 +28,7 @@ Writes DIR/results.json and DIR/results.md.
 import argparse
 import json
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -106,6 +107,59 @@ def mib(x):
     return f"{x / 2**20:,.0f}"
 
 
+def count_parameters(size):
+    """The model's parameters, counted on the meta device in a child process (this one imports no DeepSpeed)."""
+    code = ("import sys; sys.path.insert(0, 'tests'); from unit import tiny_hf_models as t; import torch\n"
+            f"c = t.config('deepseek_v3', **{SIZES[size]!r})\n"
+            "with torch.device('meta'): m = t.model_class('deepseek_v3')(c)\n"
+            "print(sum(p.numel() for p in m.parameters()))")
+    got = subprocess.run([sys.executable, "-c", code], cwd=launch.ROOT, capture_output=True, text=True)
+    return int(got.stdout.split()[-1]) if got.returncode == 0 else None
+
+
+def write_results(out, args, size, seq, on_gpu, n_params, results, failures):
+    """results.json and results.md, rewritten after every stage (a run stopped early keeps what it measured)."""
+    (out / "results.json").write_text(
+        json.dumps({"size": size, "sizes": SIZES[size], "n_params": n_params, "results": results,
+                    "failures": failures}, indent=1))
+    rows = []
+    for stage, s in results.items():
+        row = [
+            stage, f"{s['fp32_params'][0]} / {s['fp32_params'][1]}", s["steps"], f"{s['empty_median'] * 1e3:.2f}",
+            f"{s['kept_median'] * 1e3:.2f}", f"{s['median_step_ratio']:.3f} [{s['median_step_ratio_ci95'][0]:.3f}, "
+            f"{s['median_step_ratio_ci95'][1]:.3f}]",
+            " / ".join(f"{losses[0]:.3f} -> {losses[-1]:.3f}" for losses in s["losses"])
+        ]
+        m = s["memory"]
+        if m:
+            row += [
+                f"{mib(m[0]['held_bytes'])} / {mib(m[1]['held_bytes'])}",
+                f"{mib(m[0]['peak_alone_bytes'])} / {mib(m[1]['peak_alone_bytes'])}",
+                f"{m[1]['peak_alone_bytes'] / m[0]['peak_alone_bytes']:.4f}",
+                f"{mib(m[1]['max_reserved_bytes'])}"
+            ]
+        else:
+            row += ["-", "-", "-", "-"]
+        rows.append(row)
+    md = [
+        f"# Kept / [] on a DeepSeek-V3-shaped MoE ({size}: hidden {SIZES[size]['hidden_size']}, "
+        f"{SIZES[size]['num_hidden_layers']} layers, {SIZES[size]['n_routed_experts']} experts" +
+        (f", {n_params / 1e6:,.1f} M parameters" if n_params else "") +
+        f"), world size 1, {'CUDA' if on_gpu else 'CPU'}", "",
+        f"Command: `{' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}`  ",
+        f"Micro-batch {args.micro_batch} x {seq} tokens, bf16, {args.warmup} warm-up pairs; paired steps "
+        "(one process, the two engines alternate).", "",
+        report.markdown_table([
+            "stage", "fp32 params ([] / kept)", "step pairs", "[] step ms", "kept step ms",
+            "kept / [] (median of step ratios [95 % CI])", "loss first -> last ([] / kept)", "held MiB ([] / kept)", "peak alone MiB ([] / kept)",
+            "peak kept / []", "max reserved MiB (after kept's step)"
+        ], rows), ""
+    ]
+    md += [f"- FAILED: {f}" for f in failures]
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    return md
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", default="0,1,2,3,3-offload")
@@ -125,6 +179,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, failures = {}, []
+    n_params = count_parameters(size)
     for stage in stages:
         steps = args.offload_steps if "offload" in stage else args.steps
         paired = [stage_config(stage, keep, args, on_gpu) for keep in ([], configs.UNSET)]
@@ -148,6 +203,7 @@ def main():
             lines = [line.strip() for line in str(err).splitlines() if "Error" in line]
             failures.append(f"stage {stage}: {(lines[-1] if lines else str(err).splitlines()[0])[:400]}")
             print(f"  stage {stage}: FAILED: {failures[-1]}", flush=True)
+            write_results(out, args, size, seq, on_gpu, n_params, results, failures)
             continue
         r = ranks[0]
         empty, kept = r["step_times"]
@@ -167,53 +223,9 @@ def main():
         print(f"  stage {stage:<10} {s['seconds']:6.1f} s  [] {s['empty_median'] * 1e3:8.2f} ms  kept "
               f"{s['kept_median'] * 1e3:8.2f} ms  kept / [] {s['median_step_ratio']:.3f}",
               flush=True)
+        write_results(out, args, size, seq, on_gpu, n_params, results, failures)
 
-    n_params = None
-    import subprocess
-    code = ("import sys; sys.path.insert(0, 'tests'); from unit import tiny_hf_models as t; import torch\n"
-            f"c = t.config('deepseek_v3', **{SIZES[size]!r})\n"
-            "with torch.device('meta'): m = t.model_class('deepseek_v3')(c)\n"
-            "print(sum(p.numel() for p in m.parameters()))")
-    got = subprocess.run([sys.executable, "-c", code], cwd=launch.ROOT, capture_output=True, text=True)
-    if got.returncode == 0:
-        n_params = int(got.stdout.split()[-1])
-    (out / "results.json").write_text(
-        json.dumps({"size": size, "sizes": SIZES[size], "n_params": n_params, "results": results,
-                    "failures": failures}, indent=1))
-    rows = []
-    for stage, s in results.items():
-        row = [
-            stage, f"{s['fp32_params'][0]} / {s['fp32_params'][1]}", s["steps"], f"{s['empty_median'] * 1e3:.2f}",
-            f"{s['kept_median'] * 1e3:.2f}", f"{s['median_step_ratio']:.3f} [{s['median_step_ratio_ci95'][0]:.3f}, "
-            f"{s['median_step_ratio_ci95'][1]:.3f}]"
-        ]
-        m = s["memory"]
-        if m:
-            row += [
-                f"{mib(m[0]['held_bytes'])} / {mib(m[1]['held_bytes'])}",
-                f"{mib(m[0]['peak_alone_bytes'])} / {mib(m[1]['peak_alone_bytes'])}",
-                f"{m[1]['peak_alone_bytes'] / m[0]['peak_alone_bytes']:.4f}",
-                f"{mib(m[1]['max_reserved_bytes'])}"
-            ]
-        else:
-            row += ["-", "-", "-", "-"]
-        rows.append(row)
-    md = [
-        f"# Kept / [] on a DeepSeek-V3-shaped MoE ({size}: hidden {SIZES[size]['hidden_size']}, "
-        f"{SIZES[size]['num_hidden_layers']} layers, {SIZES[size]['n_routed_experts']} experts"
-        + (f", {n_params / 1e6:,.1f} M parameters" if n_params else "") + f"), world size 1, {'CUDA' if on_gpu else 'CPU'}",
-        "", f"Command: `{' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}`  ",
-        f"Micro-batch {args.micro_batch} x {seq} tokens, bf16, {args.warmup} warm-up pairs; paired steps "
-        "(one process, the two engines alternate).", "",
-        report.markdown_table([
-            "stage", "fp32 params ([] / kept)", "step pairs", "[] step ms", "kept step ms",
-            "kept / [] (median of step ratios [95 % CI])", "held MiB ([] / kept)", "peak alone MiB ([] / kept)",
-            "peak kept / []", "max reserved MiB (after kept's step)"
-        ], rows), ""
-    ]
-    md += [f"- FAILED: {f}" for f in failures]
-    (out / "results.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    print("\n".join(write_results(out, args, size, seq, on_gpu, n_params, results, failures)))
     return 1 if failures else 0
 
 

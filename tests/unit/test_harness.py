@@ -32,10 +32,16 @@ class TestRanks(DistributedTest):
         assert rank == int(os.environ["RANK"]) == int(os.environ["LOCAL_RANK"])
         assert os.environ["WORLD_SIZE"] == os.environ["LOCAL_SIZE"] == str(n)
         assert os.environ["DS_ACCELERATOR"] == "cpu"
-        assert get_accelerator().device_name() == "cpu"
-        assert get_accelerator().device_count() == n
-        assert torch.distributed.get_backend() == "gloo"
-        t = torch.tensor([rank + 1.0, 10.0])
+        # the CPU and gloo, unless tools/gpu-check's plugin started the ranks on CUDA with NCCL
+        device = os.environ.get("GPU_CHECK_ACCELERATOR", "cpu")
+        accelerator = get_accelerator()
+        assert accelerator.device_name() == device
+        if device == "cpu":
+            assert accelerator.device_count() == n
+        else:
+            assert accelerator.device_count() >= n
+        assert torch.distributed.get_backend() == {"cpu": "gloo", "cuda": "nccl"}[device]
+        t = torch.tensor([rank + 1.0, 10.0], device=accelerator.current_device_name())
         dist.all_reduce(t)
         assert t.tolist() == [n * (n + 1) / 2, 10.0 * n]
 

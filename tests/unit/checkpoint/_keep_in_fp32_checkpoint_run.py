@@ -149,7 +149,7 @@ def batch(step):
 def train(model_engine, steps=STEPS, first_step=0):
     losses = []
     for step in range(first_step, first_step + steps):
-        loss = model_engine(batch(step).to(model_engine.module.lin.weight.dtype))
+        loss = model_engine(batch(step).to(model_engine.device, model_engine.module.lin.weight.dtype))
         model_engine.backward(loss)
         model_engine.step()
         losses.append(loss.item())

@@ -126,7 +126,7 @@ def _train(model, stage, half, batch_fn, params=None):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=_ds_config(stage, half))
     gen = torch.Generator().manual_seed(1234 + dist.get_rank())
     for _ in range(STEPS):
-        loss = engine(batch_fn(gen))
+        loss = engine(batch_fn(gen).to(engine.device))
         engine.backward(loss)
         engine.step()
     return engine

@@ -166,8 +166,9 @@ def _half(config):
 
 
 def _batch(step, config):
+    """This rank's batch of ``step``, on the accelerator's device (made on the CPU, so that it is the same there)."""
     gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
-    return torch.randn(2, HIDDEN, generator=gen).to(_half(config))
+    return torch.randn(2, HIDDEN, generator=gen).to(get_accelerator().current_device_name(), _half(config))
 
 
 def _train(engine, config, steps, **forward_kwargs):
@@ -181,8 +182,9 @@ def _train(engine, config, steps, **forward_kwargs):
 
 
 def _gathered(param):
+    """The full value of ``param`` in its dtype, a copy on the CPU (a collective under ZeRO-3)."""
     with deepspeed.zero.GatheredParameters([param]):
-        return param.data.detach().clone()
+        return param.data.detach().cpu().clone()
 
 
 def _listed_names(model):
@@ -232,7 +234,7 @@ def _check_kept_and_updated(engine):
     for name, param in engine.module.named_parameters():
         if param.dtype != torch.float32:
             continue
-        master = safe_get_full_fp32_param(param)
+        master = safe_get_full_fp32_param(param).cpu()
         gathered = _gathered(param)
         assert gathered.dtype == torch.float32, name
         assert torch.equal(gathered, master), f"{name}: the gathered value differs from its fp32 master"

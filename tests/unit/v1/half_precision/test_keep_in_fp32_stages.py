@@ -80,14 +80,16 @@ def _check_dtypes(model, kept, half_dtype):
     assert model.bias_buf.dtype == torch.float32
 
 
+def _master(param):
+    """The fp32 master of ``param`` where the optimizer has an accessor for it (not the engine's fp16/bf16 optimizer
+    without ZeRO), else its value in fp32; a copy on the CPU."""
+    master = safe_get_full_fp32_param(param)
+    return _gathered(param).float() if master is None else master.cpu()
+
+
 def _masters(engine):
-    """Each parameter's fp32 master, where the optimizer has an accessor for it (not the engine's fp16/bf16
-    optimizer without ZeRO), else its value in fp32."""
-    masters = {}
-    for name, param in engine.module.named_parameters():
-        master = safe_get_full_fp32_param(param)
-        masters[name] = _gathered(param).float() if master is None else master
-    return masters
+    """Each parameter's fp32 master (``_master``)."""
+    return {name: _master(param) for name, param in engine.module.named_parameters()}
 
 
 def _check_kept_and_updated(engine):
@@ -165,6 +167,70 @@ class TestStagesSubResolutionUpdates(DistributedTest):
         losses = _train(engine, config, steps=3)
         assert all(torch.isfinite(torch.tensor(losses)))
         _check_dtypes(engine.module, _listed_names(engine.module), torch.bfloat16)
+        _check_kept_and_updated(engine)
+
+
+def _torch_optimizer(engine):
+    """The torch optimizer under the engine's: ZeRO's optimizers and the fp16/bf16 wrappers hold it as
+    ``.optimizer``."""
+    optimizer = engine.optimizer
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class TestStagesOverlapCommOneRank(DistributedTest):
+    """One rank, overlap_comm and contiguous_gradients on, in every stage (tools/gpu-check runs it on CUDA, where the
+    reduction stream is real): the listed parameters are fp32 and exact once loaded, the first step's fp32 master of
+    the sinks equals what the optimizer computes from their fp32 gradient, and updates below bf16's resolution
+    survive."""
+    world_size = 1
+
+    @pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero1_bf16_optimizer", "zero3", "zero3_offload"])
+    def test_first_step_is_the_optimizers_and_updates_survive(self, stage):
+        config = _config() if stage == "zero3" else _stage_config(stage)
+        config["zero_optimization"].update(overlap_comm=True, contiguous_gradients=True)
+        config["gradient_clipping"] = 0.0  # not DeepSpeed's default 1.0: the step takes the gradient as it is
+        engine = _engine(config, zero_init=True) if stage == "zero3" else _stage_engine(stage, config)
+        sinks = _sinks(engine.module)
+        value = _gathered(sinks)
+        assert sinks.dtype == _storage_dtype(sinks) == value.dtype == torch.float32
+        assert torch.equal(value, SINK_VALUES)
+
+        engine.backward(engine(_batch(0, config)))
+        grad = safe_get_full_grad(sinks)
+        assert grad is not None and grad.dtype == torch.float32
+        grad = grad.detach().cpu().clone()
+        assert torch.isfinite(grad).all() and grad.abs().max() > 0
+        before = _master(sinks)
+        optimizer = _torch_optimizer(engine)
+        # Adam's state for the sinks before the step: none, but where the sinks are their own master in
+        # FP16_UnfusedOptimizer (zero0), which steps once at init with zero gradients (step 1, zero moments)
+        state = {key: tensor.clone() for key, tensor in optimizer.state.get(sinks, {}).items()}
+        assert bool(state) == (stage == "zero0"), state
+        engine.step()
+
+        # the reference: a fresh optimizer of the engine's class and hyperparameters, with that state, steps the
+        # sinks' master alone, on the device of the masters that the engine's optimizer steps
+        devices = {master.device for master in optimizer.state}
+        assert len(devices) == 1, devices
+        device = devices.pop()
+        reference = before.to(device).clone()
+        reference.grad = grad.to(device)
+        hyperparameters = {key: setting for key, setting in optimizer.param_groups[0].items() if key != "params"}
+        reference_optimizer = type(optimizer)([dict(hyperparameters, params=[reference])])
+        if state:
+            reference_optimizer.state[reference] = state
+        reference_optimizer.step()
+        assert torch.equal(_master(sinks), reference.detach().cpu()), "the first step is not the optimizer's"
+        # Adam's first update is about lr * sign(gradient), which a rounded gradient gives too; its moments hold the
+        # gradient's every bit (without ZeRO, where the sinks are their own master, the state is the sinks')
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment = safe_get_full_optimizer_state(sinks, key)
+            moment = optimizer.state[sinks][key] if moment is None else moment
+            assert torch.equal(moment.cpu(), reference_optimizer.state[reference][key].cpu()), key
+
+        _train(engine, config, steps=2)
         _check_kept_and_updated(engine)
 
 

@@ -169,7 +169,7 @@ def differs_from(model, reference):
     dtype it holds; a collective call."""
     named = list(model.named_parameters())
     with deepspeed.zero.GatheredParameters([p for _, p in named]):
-        return {name for name, p in named if not torch.equal(p.data, reference[name].to(p.dtype))}
+        return {name for name, p in named if not torch.equal(p.data.cpu(), reference[name].to(p.dtype))}
 
 
 def _save_model(path, arch, half, keep):
@@ -217,9 +217,9 @@ def _save_model(path, arch, half, keep):
 
 
 def _full_values(params):
-    """The full (gathered) values of ``params``, as stored; a collective call."""
+    """The full (gathered) values of ``params``, as stored, copies on the CPU; a collective call."""
     with deepspeed.zero.GatheredParameters(params):
-        return [p.data.detach().clone() for p in params]
+        return [p.data.detach().cpu().clone() for p in params]
 
 
 def _check_and_train(tmp_path, arch, half, keep):
@@ -273,7 +273,7 @@ def _check_and_train(tmp_path, arch, half, keep):
     gen = torch.Generator().manual_seed(1234 + dist.get_rank())
     losses = []
     for step in range(STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(engine.device)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()

@@ -71,7 +71,7 @@ class TestUnfusedOptimizerWithoutZero(DistributedTest):
 
         check_masters()
         # the step that makes the optimizer's states at init (with weight decay) leaves the kept values as they were
-        assert torch.equal(_sinks(engine.module).data, SINK_VALUES)
+        assert torch.equal(_sinks(engine.module).data.cpu(), SINK_VALUES)
         _train(engine, config, steps=3)
         check_masters()
         _check_kept_and_updated(engine)
@@ -85,14 +85,14 @@ def _fused_config(dtype, keep="auto"):
 
 
 def _fused_masters(engine):
-    """Each parameter's fp32 master in FP16_Optimizer's flat master weights."""
+    """Each parameter's fp32 master in FP16_Optimizer's flat master weights, a copy on the CPU."""
     optimizer = engine.optimizer
     assert type(optimizer).__name__ == "FP16_Optimizer"
     masters = {}
     for group, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
         assert flat.dtype == torch.float32
         for param, master in zip(group, _unflatten_dense_tensors(flat, group)):
-            masters[engine.param_names[param]] = master.detach().clone()
+            masters[engine.param_names[param]] = master.detach().cpu().clone()
     return masters
 
 
@@ -106,7 +106,7 @@ def _check_fused_kept(engine, half_dtype):
     masters = _fused_masters(engine)
     for name, param in engine.module.named_parameters():
         if name in kept:
-            assert torch.equal(param.data, masters[name]), name
+            assert torch.equal(param.data.cpu(), masters[name]), name
     # one fp32 copy of the kept parameters: their flat master is the buffer they live in
     kept_flat = optimizer.fp32_groups_flat[1]
     assert kept_flat is optimizer.fp16_groups_flat[1]
@@ -166,7 +166,7 @@ class TestFusedAdamWithoutZero(DistributedTest):
         engine = _stage_engine("zero0", config)
         half = torch.bfloat16 if dtype == "bf16" else torch.float16
         _check_fused_kept(engine, half)
-        assert torch.equal(_sinks(engine.module).data, SINK_VALUES)
+        assert torch.equal(_sinks(engine.module).data.cpu(), SINK_VALUES)
         assert torch.equal(_fused_masters(engine)["attn.sinks"], SINK_VALUES)
         losses = _train(engine, config, steps=3)
         assert all(torch.isfinite(torch.tensor(losses)))

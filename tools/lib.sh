@@ -78,7 +78,7 @@ PULL_REQUESTS=(
     'zero-stage_1_and_2-link-fp32-masters|-|ZeRO-1/2 link fp32 masters and loaded optimizer states to the right parameters'
     'zero-fetch-parameters-with-one-all_reduce|-|keep the parameters a model names for fp32 in fp32 under ZeRO-3'
     'zero-stage3-offload-the-partitions|3|keep them in fp32 with ZeRO-3 CPU parameter offload'
-    'runtime-utils-launch-the-all-gathers|3 4|keep them in fp32 under ZeRO-1/2, the BF16 optimizer and without ZeRO'
+    'bf16_optimizer-hold-parameters-kept-in-fp32|3 4|keep them in fp32 under ZeRO-1/2, the BF16 optimizer and without ZeRO'
 )
 
 # Write the commits $PRISTINE_TAG..HEAD of the repo $1 as patch files into the folder $2, with a series file that

@@ -62,6 +62,22 @@ class TestZeroInitWithParamOffload(DistributedTest):
             assert param.ds_tensor.dtype == (torch.float32 if name in kept else torch.bfloat16), name
 
 
+    def test_partitions_returned_to_the_training_dtype_stay_pinned(self):
+        """A partition zero.Init kept in fp32 that the run does not keep goes back to the training dtype pinned, so
+        that its copies to the device stay asynchronous."""
+        os.environ.update(DS_PIN_MEMORY_BACKEND="native", DS_PIN_MEMORY_REGISTER_DEVICE="0")
+        with deepspeed.zero.Init(config_dict_or_path=_offload_config()):
+            model = SinkNet()
+        assert model.attn.sinks.ds_tensor.dtype == torch.float32
+        model.attn.sinks.requires_grad_(False)  # frozen: the optimizer never moves it into a buffer of its own
+        config = _offload_config(keep=[])
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        sinks = engine.module.attn.sinks
+        assert sinks.dtype == torch.bfloat16 and sinks.ds_tensor.dtype == torch.bfloat16
+        assert get_accelerator().is_pinned(sinks.ds_tensor.view(-1)), "the sinks' partition is no longer pinned"
+        assert sinks.ds_tensor.ds_pinned_tensor.dtype == torch.bfloat16, "the fp32 pinned copy is still held"
+
+
 class TestOffloadedLayout(DistributedTest):
     """The kept partitions are offloaded to an fp32 CPU buffer of their own; the training-dtype buffer holds the
     others, as it holds every parameter when nothing is kept."""

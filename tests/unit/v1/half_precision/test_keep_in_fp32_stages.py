@@ -465,54 +465,56 @@ def _backend_calls(names=("all_reduce", "all_gather_into_tensor")):
         yield calls
 
 
-class TestStagesKeptCollectivesOverlap(DistributedTest):
-    """The collectives that keeping adds run beside the others rather than after them, so that a step waits for
-    them once: the fp32 all-reduce of the kept gradients is launched before the training dtype's gradients are
-    reduced and waited for after them, and ZeRO-1/2 and the BF16 optimizer launch the all-gathers of the updated
-    partitions of both dtypes together. ZeRO-1/2 all-reduce a param group's gradient norm once, over its
-    parameters of both dtypes, as without keeping."""
+class TestStagesKeptCollectivesFollowStock(DistributedTest):
+    """The collectives that keeping adds run where stock runs such collectives, in stock's order, on every rank: the
+    fp32 all-reduce of the kept gradients is one more blocking collective after the training dtype's (the kept
+    bucket has no contiguous buffer, so ZeRO-1/2 reduce it as stock reduces a bucket without one), and ZeRO-1/2 and
+    the BF16 optimizer all-gather the updated partitions of both dtypes one group after the other, blocking, as
+    stock gathers its groups. Nothing is launched async and waited for later: under NCCL the collectives of one
+    communicator run in order anyway, and across communicators (MoE) concurrent collectives can deadlock. ZeRO-1/2
+    all-reduce a param group's gradient norm once, over its parameters of both dtypes, as without keeping."""
     world_size = 2
 
     @pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero1_bf16_optimizer"])
-    def test_kept_collectives_run_beside_the_others(self, stage):
+    def test_kept_collectives_follow_the_others_blocking(self, stage):
         config = _stage_config(stage)
         config["gradient_clipping"] = 1.0
         engine = _stage_engine(stage, config)
         _train(engine, config, steps=1)
         with _backend_calls() as calls:
             _train(engine, config, steps=1)
-        reductions = [(i, dtype, launched_async) for i, (name, dtype, numel, launched_async) in enumerate(calls)
+        assert not any(launched_async for *_, launched_async in calls), calls
+        reductions = [(i, dtype) for i, (name, dtype, numel, _) in enumerate(calls)
                       if name == "all_reduce" and numel > 1 and dtype != torch.uint8]
-        kept = [(i, launched_async) for i, dtype, launched_async in reductions if dtype == torch.float32]
-        others = [i for i, dtype, _ in reductions if dtype == torch.bfloat16]
+        kept = [i for i, dtype in reductions if dtype == torch.float32]
+        others = [i for i, dtype in reductions if dtype == torch.bfloat16]
         assert len(kept) == 1 and others, calls
-        assert kept[0][1] and kept[0][0] < others[-1], f"the kept gradients are reduced after the others: {calls}"
-        gathers = [(dtype, launched_async) for name, dtype, _, launched_async in calls
-                   if name == "all_gather_into_tensor"]
+        assert kept[0] > others[-1], f"the kept gradients are not reduced after the others: {calls}"
+        gathers = [dtype for name, dtype, _, _ in calls if name == "all_gather_into_tensor"]
         if stage in GATHERS_KEPT_PARTITIONS:
-            assert sorted(str(dtype) for dtype, _ in gathers) == ["torch.bfloat16", "torch.float32"], calls
-            assert all(launched_async for _, launched_async in gathers), calls
+            assert sorted(str(dtype) for dtype in gathers) == ["torch.bfloat16", "torch.float32"], calls
         norms = [call for call in calls if call[0] == "all_reduce" and call[2] == 1 and call[1] == torch.float32]
         assert len(norms) == (stage in ("zero1", "zero2")), calls
 
 
-class TestStage3KeptReductionOverlap(DistributedTest):
-    """ZeRO-3 reduce-scatters the kept gradients that are left at the end of backward (their bucket seldom fills)
-    beside the training dtype's: the fp32 reduce-scatter is launched before the last bf16 one and waited for after
-    it, with and without offload."""
+class TestStage3KeptReductionFollowsStock(DistributedTest):
+    """ZeRO-3 reduce-scatters the kept gradients left at the end of backward (their bucket seldom fills) after the
+    training dtype's, blocking like them, through the same bucket drain and its back-pressure on
+    reduce_and_partition_stream, with and without offload."""
     world_size = 2
 
     @pytest.mark.parametrize("stage", ["zero3", "zero3_offload"])
-    def test_kept_reduce_scatter_runs_beside_the_others(self, stage):
+    def test_kept_reduce_scatter_follows_the_others_blocking(self, stage):
         config = _config() if stage == "zero3" else _stage_config(stage)
         engine = _stage_engine(stage, config)
         _train(engine, config, steps=1)
         with _backend_calls(("reduce_scatter_tensor", )) as calls:
             _train(engine, config, steps=1)
-        kept = [(i, launched_async) for i, (_, dtype, _, launched_async) in enumerate(calls) if dtype == torch.float32]
+        assert not any(launched_async for *_, launched_async in calls), calls
+        kept = [i for i, (_, dtype, _, _) in enumerate(calls) if dtype == torch.float32]
         others = [i for i, (_, dtype, _, _) in enumerate(calls) if dtype == torch.bfloat16]
         assert len(kept) == 1 and others, calls
-        assert kept[0][1] and kept[0][0] < others[-1], f"the kept gradients are reduced after the others: {calls}"
+        assert kept[0] > others[-1], f"the kept gradients are not reduced after the others: {calls}"
 
 
 class TestStagesCheckpoint(DistributedTest):

@@ -39,21 +39,19 @@ import launch  # noqa: E402
 import report  # noqa: E402
 from run import bootstrap_median_ci  # noqa: E402
 
+# DeepSeek-V3's shape: the first layer dense, then MoE layers of 8 routed experts (top-2) and one shared, MLA attention
+SHAPE = dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+             topk_group=1)
 SIZES = {
     "gpu":
-    dict(vocab_size=32768,
+    dict(SHAPE,
+         vocab_size=32768,
          hidden_size=2048,
          intermediate_size=5632,
          moe_intermediate_size=1408,
          num_hidden_layers=12,
-         first_k_dense_replace=1,
          num_attention_heads=16,
          num_key_value_heads=16,
-         n_routed_experts=8,
-         num_experts_per_tok=2,
-         n_shared_experts=1,
-         n_group=1,
-         topk_group=1,
          q_lora_rank=1536,
          kv_lora_rank=512,
          qk_rope_head_dim=64,
@@ -61,25 +59,9 @@ SIZES = {
          v_head_dim=128,
          max_position_embeddings=4096),
     "tiny":
-    dict(vocab_size=256,
-         hidden_size=64,
-         intermediate_size=128,
-         moe_intermediate_size=32,
-         num_hidden_layers=3,
-         first_k_dense_replace=1,
-         num_attention_heads=4,
-         num_key_value_heads=4,
-         n_routed_experts=8,
-         num_experts_per_tok=2,
-         n_shared_experts=1,
-         n_group=1,
-         topk_group=1,
-         q_lora_rank=32,
-         kv_lora_rank=16,
-         qk_rope_head_dim=8,
-         qk_nope_head_dim=8,
-         v_head_dim=16,
-         max_position_embeddings=256),
+    dict(SHAPE, vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+         qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256),
 }
 # ZeRO's own defaults (configs.py sets small buckets for its tiny models)
 ZERO_DEFAULTS = {

@@ -11,7 +11,10 @@ on the same batches in alternating steps (worker.py's paired timing, as run.py's
 
 * step time: the median of the per-step ratios kept / [] with a 95 % bootstrap interval, and each engine's median;
 * device memory of each engine as if it were alone (worker.py ``_engine_memory``): what it holds once its optimizer
-  state exists, and the allocator's peak during a step above that; and the allocator's reserved memory.
+  state exists, and the allocator's peak during a step above that; and the allocator's reserved memory. A small
+  engine of the same config trains one step first and is dropped, so that the process's one-off allocations
+  (cuBLAS workspaces, the optimizer op's buffers) are not counted as the first measured engine's;
+* the losses, first and last: the data are learnable (each sample counts up from a random token), so they fall.
 
 The model (``--size gpu``, the default on CUDA): transformers' ``DeepseekV3ForCausalLM`` at hidden 2048, 12 layers
 (the first dense), 8 routed experts of 1408 and one shared, top-2, MLA attention, vocabulary 32768: about 1.2 billion
@@ -177,7 +180,9 @@ def main():
                     steps=steps,
                     config=paired[0],
                     paired=paired,
-                    memory=True)
+                    memory=True,
+                    warmup_sizes=SIZES["tiny"],
+                    data="sequences")
         start = time.time()
         try:
             ranks = launch.launch(spec, "patched", 1, out / "jobs" / f"zero{stage}", timeout=args.timeout)

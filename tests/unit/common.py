@@ -45,6 +45,7 @@ from multiprocessing.connection import wait
 import pytest
 
 TIMEOUT_ENV = "DS_TEST_TIMEOUT"
+PORT_ATTEMPTS = 3  # a run whose rendezvous port was taken in the meantime is started again on another
 START_METHOD_ENV = "DS_TEST_START_METHOD"  # "spawn" starts every rank afresh (tools/gpu-check does on CUDA)
 GRACE_AFTER_FAILURE = 5  # seconds the other ranks get to finish once one rank has failed
 
@@ -145,27 +146,8 @@ def _context():
     return ctx
 
 
-def run_distributed(cls, name, world_size, kwargs=None, timeout=None, label=None):
-    """Run ``cls().<name>(**kwargs)`` on ``world_size`` ranks; ``pytest.fail`` if a rank fails or time runs out.
-
-    ``timeout`` (seconds) defaults to $DS_TEST_TIMEOUT, else ``cls.timeout``. ``pytest.skip`` on the ranks skips.
-    """
-    kwargs = kwargs or {}
-    label = label or f"{cls.__name__}.{name}"
-    if timeout is None:
-        timeout = float(os.environ.get(TIMEOUT_ENV) or cls.timeout)
-    for key, value in kwargs.items():
-        try:
-            pickle.dumps(value)
-            error = None
-        except Exception as e:
-            error = e
-        if error is not None:
-            pytest.fail(f"{label}: argument {key!r} cannot be pickled for the rank processes: {error!r}",
-                        pytrace=False)
-    payload = pickle.dumps((cls, name, kwargs))
-
-    ctx = _context()
+def _launch(ctx, payload, cls, world_size, timeout, label):
+    """Start the ranks on a free port and collect their reports: (reports by rank, ranks that never reported, s)."""
     port = _free_port()
     procs, readers = [], {}
     try:
@@ -202,6 +184,35 @@ def run_distributed(cls, name, world_size, kwargs=None, timeout=None, label=None
     finally:
         _stop(procs)
         _remove_shm_buffers(port)
+    return reports, missing, elapsed
+
+
+def run_distributed(cls, name, world_size, kwargs=None, timeout=None, label=None):
+    """Run ``cls().<name>(**kwargs)`` on ``world_size`` ranks; ``pytest.fail`` if a rank fails or time runs out.
+
+    ``timeout`` (seconds) defaults to $DS_TEST_TIMEOUT, else ``cls.timeout``. ``pytest.skip`` on the ranks skips.
+    """
+    kwargs = kwargs or {}
+    label = label or f"{cls.__name__}.{name}"
+    if timeout is None:
+        timeout = float(os.environ.get(TIMEOUT_ENV) or cls.timeout)
+    for key, value in kwargs.items():
+        try:
+            pickle.dumps(value)
+            error = None
+        except Exception as e:
+            error = e
+        if error is not None:
+            pytest.fail(f"{label}: argument {key!r} cannot be pickled for the rank processes: {error!r}",
+                        pytrace=False)
+    payload = pickle.dumps((cls, name, kwargs))
+
+    ctx = _context()
+    for attempt in range(PORT_ATTEMPTS):
+        reports, missing, elapsed = _launch(ctx, payload, cls, world_size, timeout, label)
+        # the free port _free_port found was taken before rank 0 bound it (tests run side by side): again, elsewhere
+        if not any(outcome == "failed" and "EADDRINUSE" in text for outcome, _, text in reports.values()):
+            break
 
     failed = sorted((t, rank, text) for rank, (outcome, t, text) in reports.items() if outcome == "failed")
     skipped = {rank: text for rank, (outcome, _, text) in reports.items() if outcome == "skipped"}

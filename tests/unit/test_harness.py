@@ -185,3 +185,18 @@ def test_unpicklable_argument_is_reported(inner_run):
     _, output, _ = inner_run
     report = _section(output, "TestInnerUnpicklable.test_takes_request")
     assert "argument 'request' cannot be pickled" in report, report
+
+
+def test_a_port_taken_before_rank_0_binds_it_is_replaced(monkeypatch):
+    """The free port the harness finds can be taken by another test process before rank 0 binds it (tests run side
+    by side, as tools/gpu-check runs them): the run is started again on another port."""
+    import socket
+    from unit import common
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        free_port = common._free_port
+        monkeypatch.setattr(common, "_free_port", lambda: ports.pop() if ports else free_port())
+        common.run_distributed(TestRanks, "test_environment_and_all_reduce", 2)
+        assert not ports, "the taken port was not tried"

@@ -48,7 +48,8 @@ class Attention(torch.nn.Module):
             # adds nothing to the output, and grad_boost**2 times a gradient to the sinks (not a uniform one,
             # which the norm that follows would cancel)
             boosted = self.sinks * grad_boost
-            sink = sink + (boosted - boosted.detach()).sum() * grad_boost * torch.linspace(-1, 1, HIDDEN)
+            sink = sink + (boosted - boosted.detach()).sum() * grad_boost * torch.linspace(
+                -1, 1, HIDDEN, device=boosted.device)
         return h @ self.proj.t() + self.bias + 0.01 * sink.to(h.dtype)
 
 

@@ -211,8 +211,10 @@ def run_distributed(cls, name, world_size, kwargs=None, timeout=None, label=None
     for attempt in range(PORT_ATTEMPTS):
         reports, missing, elapsed = _launch(ctx, payload, cls, world_size, timeout, label)
         # the free port _free_port found was taken before rank 0 bound it (tests run side by side): again, elsewhere
-        if not any(outcome == "failed" and "EADDRINUSE" in text for outcome, _, text in reports.values()):
+        if not any(outcome == "failed" and ("EADDRINUSE" in text or "Address already in use" in text)
+                   for outcome, _, text in reports.values()):
             break
+        print(f"{label}: its rendezvous port was taken before rank 0 bound it; starting it again", file=sys.stderr)
 
     failed = sorted((t, rank, text) for rank, (outcome, t, text) in reports.items() if outcome == "failed")
     skipped = {rank: text for rank, (outcome, _, text) in reports.items() if outcome == "skipped"}

@@ -61,7 +61,6 @@ class TestZeroInitWithParamOffload(DistributedTest):
             assert get_accelerator().is_pinned(param.ds_tensor.view(-1)), f"{name}'s partition is not pinned"
             assert param.ds_tensor.dtype == (torch.float32 if name in kept else torch.bfloat16), name
 
-
     def test_partitions_returned_to_the_training_dtype_stay_pinned(self):
         """A partition zero.Init kept in fp32 that the run does not keep goes back to the training dtype pinned, so
         that its copies to the device stay asynchronous."""

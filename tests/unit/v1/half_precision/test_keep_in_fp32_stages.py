@@ -12,6 +12,7 @@ which bf16 rounds to 8.0, and Adam moves them by about 1e-5 a step: kept in fp32
 
 import collections
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -446,7 +447,7 @@ class TestFp32CommunicationBuckets(DistributedTest):
 
 
 # Where the backend's collectives take async_op when it is passed by position.
-ASYNC_OP_POSITION = {"all_reduce": 3, "reduce_scatter_tensor": 4}
+ASYNC_OP_POSITION = {"all_reduce": 3, "reduce_scatter_tensor": 4, "all_gather_into_tensor": 3}
 
 
 @contextlib.contextmanager
@@ -515,6 +516,38 @@ class TestStage3KeptReductionFollowsStock(DistributedTest):
         others = [i for i, (_, dtype, _, _) in enumerate(calls) if dtype == torch.bfloat16]
         assert len(kept) == 1 and others, calls
         assert kept[0] > others[-1], f"the kept gradients are not reduced after the others: {calls}"
+
+
+class TestStagesKeptGradientsAveraged(DistributedTest):
+    """ZeRO-1/2 reduce the kept gradients in fp32 to the mean of the ranks' gradients, bit for bit, with and without
+    overlap_comm and contiguous_gradients (the kept bucket takes stock's path for a bucket without a contiguous
+    buffer): each rank's gradient is taken from a plain copy of the module on the same batch."""
+    world_size = 2
+
+    @pytest.mark.parametrize("contiguous_gradients", [True, False], ids=["contiguous", "not_contiguous"])
+    @pytest.mark.parametrize("overlap_comm", [True, False], ids=["overlap_comm", "no_overlap_comm"])
+    @pytest.mark.parametrize("stage", ["zero1", "zero2"])
+    def test_kept_gradient_is_the_mean_of_the_ranks(self, stage, overlap_comm, contiguous_gradients):
+        config = _stage_config(stage)
+        config["zero_optimization"].update(overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients)
+        engine = _stage_engine(stage, config)
+        plain = copy.deepcopy(engine.module)  # the same parameters and dtypes, without ZeRO's gradient hooks
+        batch = _batch(0, config)
+        plain(batch).backward()
+        local = [p.grad.float() for p in (plain.attn.sinks, plain.norm.weight)]
+        assert all(g.dtype == torch.float32 and g.abs().sum() > 0 for g in local)
+        means = []
+        for grad in local:
+            gathered = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, grad)
+            assert not torch.equal(gathered[0], gathered[1]), "the ranks' gradients do not differ"
+            means.append(sum(gathered) / dist.get_world_size())
+        engine.backward(engine(batch))
+        for name, param, mean in zip(("attn.sinks", "norm.weight"), (engine.module.attn.sinks,
+                                                                     engine.module.norm.weight), means):
+            grad = safe_get_full_grad(param)
+            assert grad.dtype == torch.float32, name
+            assert torch.equal(grad.cpu(), mean.cpu()), f"{name}: the reduced gradient is not the ranks' mean"
 
 
 class TestStagesCheckpoint(DistributedTest):

@@ -28,8 +28,8 @@ from unit.checkpoint._keep_in_fp32_checkpoint_run import to_universal
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, _build, _engine, _gathered,
                                                                _listed_names, _sinks, _train)
-from unit.v1.half_precision.test_keep_in_fp32_stages import (_check_dtypes, _check_kept_and_updated, _masters,
-                                                             _stage_config, _stage_engine)
+from unit.v1.half_precision.test_keep_in_fp32_stages import (_backend_spy, _check_dtypes, _check_kept_and_updated,
+                                                             _masters, _stage_config, _stage_engine)
 
 TAG = "global_step2"
 # ZeRO-2 in the fast subset, ZeRO-1 in the nightly matrix
@@ -120,6 +120,47 @@ class TestCheckpointOfOtherLayout(DistributedTest):
         _check_kept_and_updated(engine)
         after = _gathered(_sinks(engine.module))
         assert not torch.equal(after, sinks) and torch.equal(after.bfloat16(), sinks.bfloat16())
+
+
+# DeepSpeed's communication backend's collectives: those that carry Python objects, and those that carry tensors
+OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
+TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                      "reduce", "send", "recv", "isend", "irecv", "all_to_all_single")
+
+
+class TestResumeReadsOwnShare(DistributedTest):
+    """Loading a checkpoint saved in other flat groups (stock 0.19.8's layout into kept groups, and back) moves no
+    optimizer state between ranks: each rank reads the pieces of the parameters it needs from the saving ranks' files,
+    and the collectives of the load carry at most the kept parameters' values (their update after the load) and the
+    engine's own few scalars. Masters and Adam moments are exact."""
+    world_size = 2
+
+    @pytest.mark.parametrize("saved_keep, loaded_keep", [([], "auto"), ("auto", [])], ids=["upgrade", "downgrade"])
+    @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero1_bf16_optimizer"])
+    def test_no_optimizer_state_crosses_ranks(self, stage, saved_keep, loaded_keep, tmp_path):
+        save_dir = str(tmp_path / "ckpt")
+        saved = _save(stage, saved_keep, save_dir, optimizer_states=True)
+        config = _stage_config(stage, keep=loaded_keep)
+        engine = _stage_engine(stage, config)
+        kept_bytes = sum(p.numel() * 4 for p in engine.module.parameters() if p.dtype == torch.float32)
+        calls = []
+
+        def record(name, args, kwargs):
+            tensors = [a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)]
+            calls.append((name, sum(t.numel() * t.element_size() for t in tensors[:1])))
+
+        with _backend_spy(OBJECT_COLLECTIVES + TENSOR_COLLECTIVES, record):
+            load_path, _ = engine.load_checkpoint(save_dir)
+        assert load_path is not None
+        objects = [name for name, _ in calls if name in OBJECT_COLLECTIVES]
+        assert not objects, f"the load sent Python objects between ranks: {objects}"
+        moved = sum(nbytes for _, nbytes in calls)
+        assert moved <= kept_bytes + 64 * len(calls), f"{moved} bytes moved between ranks: {calls}"
+        loaded = _optimizer_states(engine)
+        for name, param in engine.module.named_parameters():
+            for what, got, want in zip(("master", "exp_avg", "exp_avg_sq"), loaded[name], saved[name]):
+                assert torch.equal(got, want), f"{name}: the {what} differs after the load"
+            assert torch.equal(_gathered(param), saved[name][0].to(param.dtype)), f"{name} is not its master"
 
 
 class CastLinear(torch.nn.Linear):

@@ -24,6 +24,10 @@ COMM_KINDS = {
     "broadcast": "broadcast",
     "all_to_all_single": "all-to-all",
     "all_to_all": "all-to-all",
+    "broadcast_object_list": "object",
+    "all_gather_object": "object",
+    "gather_object": "object",
+    "scatter_object_list": "object",
 }
 
 
@@ -69,6 +73,13 @@ class CommCounter:
     def _wrap(self, op, fn):
 
         def counted(*args, **kwargs):
+            if self.active and COMM_KINDS[op] == "object":
+                # Python objects, pickled: their bytes once the call has filled the list
+                import pickle
+                result = fn(*args, **kwargs)
+                self.counts[("object", "-")] += 1
+                self.bytes[("object", "-")] += len(pickle.dumps(args[0] if args else kwargs.get("object_list")))
+                return result
             if self.active:
                 values = list(args) + list(kwargs.values())
                 tensor = _first_tensor(values)
@@ -172,6 +183,26 @@ def held_bytes(engine):
             if held:
                 components["optimizer." + name] = held
     return components
+
+
+def reset_peak_rss():
+    """Start this process's peak RSS (VmHWM) afresh from its current RSS (Linux: /proc/self/clear_refs). Returns
+    whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since_reset_bytes():
+    """VmHWM: the peak RSS since reset_peak_rss (or since the start)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def peak_rss_bytes():

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from counters import (CommCounter, StepGradRecorder, current_rss_bytes, held_bytes, live_tensor_bytes,
-                      optimizer_partitions, peak_rss_bytes)
+                      optimizer_partitions, peak_rss_bytes, peak_rss_since_reset_bytes, reset_peak_rss)
 from launch import DEV_TREE, PRISTINE
 from models import HF_MODELS, VOCAB, make_lm_head_net, make_tiny_net, tiny_hf_models
 
@@ -189,6 +189,74 @@ def _engine_memory(spec, config, ids, acc, engines):
     }
 
 
+def _dump_optimizer_states(engine, path, rank):
+    """Every trainable parameter's fp32 master, exp_avg and exp_avg_sq into ``path`` (rank 0; a collective)."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    states = {
+        name: [
+            safe_get_full_fp32_param(p).detach().cpu().clone(),
+            safe_get_full_optimizer_state(p, "exp_avg").detach().cpu().clone(),
+            safe_get_full_optimizer_state(p, "exp_avg_sq").detach().cpu().clone()
+        ]
+        for name, p in engine.module.named_parameters() if p.requires_grad
+    }
+    if rank == 0:
+        torch.save(states, path)
+
+
+def _resume_main(spec, rank, job_dir, device):
+    """``spec["resume"]["save"]``: train two steps and save a checkpoint into ``spec["resume"]["dir"]``. Else load
+    that checkpoint and measure the load: this rank's peak RSS above its RSS before (the CPU) or the allocator's
+    peak above its allocation before (an accelerator), the bytes the collectives carried, by kind, and the seconds;
+    then (and after a save) every parameter's fp32 master, exp_avg and exp_avg_sq into ``states.pt``."""
+    import torch
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    resume = spec["resume"]
+    engine, loss_fn = build_engine(spec, spec["config"])
+    if resume["save"]:
+        gen = torch.Generator().manual_seed(spec["seed"] * 1000 + rank)
+        for _ in range(2):
+            timed_step(engine, loss_fn, torch.randint(0, VOCAB, (spec["micro_batch"], spec["seq"]), generator=gen)
+                       .to(device), acc)
+        engine.save_checkpoint(resume["dir"], tag="resume")
+        _dump_optimizer_states(engine, job_dir / "states.pt", rank)
+        result = {"rank": rank}
+    else:
+        counter = CommCounter()
+        gc.collect()
+        dist.barrier()
+        on_cpu = acc.device_name() == "cpu"
+        if on_cpu:
+            reset = reset_peak_rss()
+            before = current_rss_bytes()
+        else:
+            acc.synchronize()
+            acc.reset_peak_memory_stats()
+            before = acc.memory_allocated()
+        counter.active = True
+        start = time.perf_counter()
+        engine.load_checkpoint(resume["dir"], tag="resume")
+        seconds = time.perf_counter() - start
+        counter.active = False
+        peak = (peak_rss_since_reset_bytes() if on_cpu else acc.max_memory_allocated()) - before
+        result = {
+            "rank": rank,
+            "seconds": seconds,
+            "peak_above_before_bytes": peak,
+            "peak_is_rss": on_cpu,
+            "peak_reset": reset if on_cpu else True,
+            "comm": counter.snapshot(),
+        }
+        if resume.get("dump", True):  # 0.19.8 links loaded optimizer states to their parameters only at a step
+            _dump_optimizer_states(engine, job_dir / "states.pt", rank)
+    dist.barrier()
+    (job_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
 def _numel(p):
     """A parameter's full number of elements (ZeRO-3 keeps only a partition in ``p``)."""
     return getattr(p, "ds_numel", p.numel())
@@ -277,6 +345,9 @@ def worker_main(spec_path):
 
     if spec.get("paired"):
         _paired_main(spec, rank, job_dir, device)
+        return
+    if spec.get("resume"):
+        _resume_main(spec, rank, job_dir, device)
         return
 
     engine, loss_fn = build_engine(spec, config)

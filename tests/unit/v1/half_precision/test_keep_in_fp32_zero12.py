@@ -17,17 +17,19 @@ cover for them.
   round_robin_gradients.
 """
 
+import os
+
 import pytest
 import torch
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SLICE_MAPPINGS, UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.checkpoint._keep_in_fp32_checkpoint_run import to_universal
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, _build, _engine, _gathered,
-                                                               _listed_names, _sinks, _train)
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, SinkNetWithExtra, _build, _engine,
+                                                               _gathered, _listed_names, _sinks, _train)
 from unit.v1.half_precision.test_keep_in_fp32_stages import (_backend_spy, _check_dtypes, _check_kept_and_updated,
                                                              _masters, _stage_config, _stage_engine)
 
@@ -161,6 +163,86 @@ class TestResumeReadsOwnShare(DistributedTest):
             for what, got, want in zip(("master", "exp_avg", "exp_avg_sq"), loaded[name], saved[name]):
                 assert torch.equal(got, want), f"{name}: the {what} differs after the load"
             assert torch.equal(_gathered(param), saved[name][0].to(param.dtype)), f"{name} is not its master"
+
+
+def _optim_file(save_dir, rank):
+    return os.path.join(save_dir, TAG, f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+
+
+def _rank_holding(save_dir, name):
+    """The first data parallel rank whose saved partitions hold a piece of the parameter ``name``."""
+    for rank in range(dist.get_world_size()):
+        saved = torch.load(_optim_file(save_dir, rank), weights_only=False)[OPTIMIZER_STATE_DICT]
+        if any(name in mapping for mapping in saved[PARAM_SLICE_MAPPINGS]):
+            return rank
+
+
+class TestResumeRefusesBadInput(DistributedTest):
+    """A load into other flat groups that cannot be done is an error that names what differs, raised before
+    anything is written: this rank's fp32 partitions keep their values and the optimizer holds no state. A file
+    that another rank needs is missing or truncated (the rank that owns it fails reading it, as in 0.19.8); the
+    checkpoint's param_shapes do not match its files; the checkpoint was saved from another model."""
+    world_size = 2
+
+    def _load_fails(self, save_dir, match, model_cls=SinkNet, raising=None, **kwargs):
+        engine = _engine(_stage_config("zero2", keep="auto"), model_cls, zero_init=False)
+        partitions = [t.clone() for t in engine.optimizer.single_partition_of_fp32_groups]
+        if raising is None or dist.get_rank() == raising:
+            with pytest.raises(ValueError, match=match):
+                engine.load_checkpoint(save_dir, **kwargs)
+            for before, after in zip(partitions, engine.optimizer.single_partition_of_fp32_groups):
+                assert torch.equal(before, after), "the failed load wrote into the fp32 partitions"
+            assert not any(engine.optimizer.optimizer.state.values()), "the failed load set optimizer states"
+        else:  # the rank whose own file is broken, in the engine as in 0.19.8
+            with pytest.raises(Exception):
+                engine.load_checkpoint(save_dir, **kwargs)
+
+    def _broken_file(self, tmp_path):
+        """A checkpoint of [] with the file that the other rank needs (it holds a piece of the sinks, whose master
+        every rank reads whole), and that other rank."""
+        save_dir = str(tmp_path / "ckpt")
+        _save("zero2", [], save_dir)
+        model = SinkNet()
+        name = next(name for name, param in model.named_parameters() if param is _sinks(model))
+        owner = _rank_holding(save_dir, name)
+        return save_dir, _optim_file(save_dir, owner), 1 - owner
+
+    def test_missing_rank_file_is_named(self, tmp_path):
+        save_dir, path, reader = self._broken_file(tmp_path)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.remove(path)
+        dist.barrier()
+        self._load_fails(save_dir, f"{path} is missing", raising=reader)
+
+    def test_truncated_rank_file_is_named(self, tmp_path):
+        save_dir, path, reader = self._broken_file(tmp_path)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+        dist.barrier()
+        self._load_fails(save_dir, f"Cannot read the checkpoint file {path}", raising=reader)
+
+    def test_param_shapes_that_do_not_match_the_files(self, tmp_path):
+        save_dir = str(tmp_path / "ckpt")
+        _save("zero2", [], save_dir)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            path = os.path.join(save_dir, TAG, "mp_rank_00_model_states.pt")
+            checkpoint = torch.load(path, weights_only=False)
+            checkpoint["param_shapes"] = [dict(reversed(shapes.items())) for shapes in checkpoint["param_shapes"]]
+            torch.save(checkpoint, path)
+        dist.barrier()
+        self._load_fails(save_dir, "not saved together")
+
+    def test_checkpoint_of_another_model(self, tmp_path):
+        save_dir = str(tmp_path / "ckpt")
+        _save("zero2", [], save_dir)
+        self._load_fails(save_dir,
+                         r"holds no fp32 master of \['extra'\]: it was saved from another model",
+                         model_cls=SinkNetWithExtra,
+                         load_module_strict=False)
 
 
 class CastLinear(torch.nn.Linear):

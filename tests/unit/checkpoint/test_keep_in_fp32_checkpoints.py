@@ -161,6 +161,15 @@ def universal_save_ws2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def zero2_stock_layout_save_ws3(tmp_path_factory):
+    """A ZeRO-2 checkpoint saved at world size 3 keeping nothing (the layout of 0.19.8), and its universal
+    conversion."""
+    out = tmp_path_factory.mktemp("zero2_ws3")
+    _save_in_subprocess(out, 3, "--universal", "--stage", "2", "--keep", "[]")
+    return str(out)
+
+
+@pytest.fixture(scope="module")
 def frozen_save_ws3(tmp_path_factory):
     """A checkpoint saved at world size 3 with the model's list and FROZEN frozen, and its universal conversion."""
     out = tmp_path_factory.mktemp("frozen_ws3")
@@ -332,6 +341,36 @@ class TestUniversalCheckpoint(DistributedTest):
         _check_universal(universal_save_ws2)
         if self.world_size == 2:
             _check_universal(frozen_save_ws3)
+
+
+class TestUniversalResumeReadsOwnShare(DistributedTest):
+    """At another data-parallel size (3 -> 2), a ZeRO-2 checkpoint of 0.19.8's layout moves into kept groups through
+    ds_to_universal with no optimizer state crossing ranks: each rank reads its parameters' fragments, and the
+    collectives of the load carry at most the parameters' values (the all-gather of the partitions set from their
+    masters, as stock's load makes) and a few scalars. Every master and moment is exact."""
+    world_size = 2
+
+    def test_no_optimizer_state_crosses_ranks(self, zero2_stock_layout_save_ws3):
+        from unit.v1.half_precision.test_keep_in_fp32_stages import _backend_spy
+        from unit.v1.half_precision.test_keep_in_fp32_zero12 import OBJECT_COLLECTIVES, TENSOR_COLLECTIVES
+        saved = _reference(zero2_stock_layout_save_ws3)
+        model_engine = engine(config(keep="auto", load_universal=True, stage=2))
+        param_bytes = sum(p.numel() * p.element_size() for p in model_engine.module.parameters())
+        calls = []
+
+        def record(name, args, kwargs):
+            tensors = [a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)]
+            calls.append((name, sum(t.numel() * t.element_size() for t in tensors[:1])))
+
+        with _backend_spy(OBJECT_COLLECTIVES + TENSOR_COLLECTIVES, record):
+            load_path, _ = model_engine.load_checkpoint(os.path.join(zero2_stock_layout_save_ws3, "ckpt"))
+        assert load_path is not None and f"{TAG}_universal" in load_path, load_path
+        objects = [name for name, _ in calls if name in OBJECT_COLLECTIVES]
+        assert not objects, f"the load sent Python objects between ranks: {objects}"
+        moved = sum(nbytes for _, nbytes in calls)
+        assert moved <= param_bytes + 64 * len(calls), f"{moved} bytes moved between ranks: {calls}"
+        _check_loaded(model_engine, saved["params"], KEPT_AUTO)
+        _check_training_continues(model_engine, KEPT_AUTO)
 
 
 class TestUniversalCheckpointFrozenParams(DistributedTest):

@@ -432,24 +432,40 @@ class InitSinks(torch.nn.Module):
         self.sinks = torch.nn.Parameter(SINK_VALUES.clone())
         self.proj = torch.nn.Parameter(torch.ones(4))
 
+    def forward(self, x):
+        return (x * self.proj).float().sum() + self.sinks.sum()
+
 
 class TestZeroInitRoundsInitValues(DistributedTest):
     """zero.Init makes each partition in the training dtype while a module's __init__ runs, and keeps the listed
-    ones in fp32 only when the model's __init__ returns: the values __init__ set are rounded (a documented limit,
-    warned about once on rank 0); values loaded afterwards are exact (TestFetchOfBothDtypes)."""
+    ones in fp32 only when the model's __init__ returns: the values __init__ set are rounded (a documented limit).
+    Values loaded afterwards are exact (TestFetchOfBothDtypes). The engine warns once, on rank 0, when training
+    starts from the rounded values, and not when values were loaded into them."""
     world_size = 2
 
-    def test_rounded_init_values_are_warned_about(self):
+    @pytest.mark.parametrize("load", [False, True])
+    def test_warned_only_when_training_starts_from_rounded_values(self, load):
         records = _capture_warnings()
-        with deepspeed.zero.Init(config_dict_or_path=_config()):
+        config = _config()
+        with deepspeed.zero.Init(config_dict_or_path=config):
             model = InitSinks()
-        messages = [r.getMessage() for r in records if "zero.Init made" in r.getMessage()]
         assert model.sinks.ds_tensor.dtype == torch.float32
         assert torch.equal(_gathered(model.sinks), SINK_VALUES.bfloat16().float())
-        if dist.get_rank() == 0:
-            assert len(messages) == 1 and "rounded to torch.bfloat16" in messages[0], messages
+        if load:
+            with deepspeed.zero.GatheredParameters([model.sinks], modifier_rank=0):
+                if dist.get_rank() == 0:
+                    model.sinks.data.copy_(SINK_VALUES)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        assert [r.getMessage() for r in records if "rounded" in r.getMessage()] == []
+        for _ in range(2):
+            engine(torch.ones(2, 4, dtype=torch.bfloat16, device=engine.device))
+        messages = [r.getMessage() for r in records if "rounded" in r.getMessage()]
+        if dist.get_rank() == 0 and not load:
+            assert len(messages) == 1 and "(sinks)" in messages[0] and "torch.bfloat16" in messages[0], messages
         else:
             assert messages == []
+        assert torch.equal(_gathered(model.sinks), SINK_VALUES if load else SINK_VALUES.bfloat16().float())
+        assert not any(hasattr(param, "ds_rounded_init_partition") for param in model.parameters())
 
 
 class TestCheckpoint(DistributedTest):

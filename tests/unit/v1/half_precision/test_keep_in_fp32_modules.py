@@ -627,12 +627,71 @@ class TestFp16(DistributedTest):
             assert torch.equal(safe_get_full_fp32_param(param), before[name]), f"{name} changed in a skipped step"
 
 
-def _capture_warnings():
+def _capture_warnings(level=logging.WARNING):
     records = []
-    handler = logging.Handler(level=logging.WARNING)
+    handler = logging.Handler(level=level)
     handler.emit = records.append
     logger.addHandler(handler)
     return records
+
+
+@contextlib.contextmanager
+def _info_logged():
+    """DeepSpeed's logger says warnings only by default; deepspeed.initialize says at info level what it keeps."""
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield _capture_warnings(logging.INFO)
+    finally:
+        logger.setLevel(level)
+
+
+class Router(torch.nn.Module):
+    """gpt-oss's router: listed for fp16 only (``_keep_in_fp32_modules``), and its module does not cast its input
+    to the dtype of its weight."""
+    _keep_in_fp32_modules = ["router"]
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.router = torch.nn.Linear(HIDDEN, 4)
+
+    def forward(self, x):
+        return self.router(self.proj(x)).float().pow(2).mean()
+
+
+class TestFirstHour(DistributedTest):
+    """What a new user learns at deepspeed.initialize and in the first forward."""
+    world_size = 1
+
+    def test_initialize_says_what_is_kept(self):
+        with _info_logged() as records:
+            engine = _engine(_config())
+        messages = [r.getMessage() for r in records if "are kept in fp32" in r.getMessage()]
+        kept = [name for name, param in engine.module.named_parameters() if param.ds_tensor.dtype == torch.float32]
+        assert len(messages) == 1, messages
+        assert f"{len(kept)} parameters and 1 buffers are kept in fp32" in messages[0], messages
+        assert "torch.bfloat16 (lin.weight" not in messages[0] and "attn.sinks" in messages[0], messages
+
+    def test_auto_says_what_it_leaves_out_under_bf16(self):
+        with _info_logged() as records:
+            with deepspeed.zero.Init(config_dict_or_path=_config()):
+                model = Router()
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config())
+        assert engine.module.router.weight.ds_tensor.dtype == torch.bfloat16
+        messages = [(r.levelno, r.getMessage()) for r in records if "_keep_in_fp32_modules)" in r.getMessage()]
+        assert len(messages) == 1 and messages[0][0] == logging.WARNING, messages
+        assert "'router'" in messages[0][1] and "under fp16 only" in messages[0][1], messages
+        assert not any("are kept in fp32" in r.getMessage() for r in records)
+
+    def test_a_kept_linear_weight_with_an_input_it_does_not_cast_is_named(self):
+        config = _config(keep=["router"])
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = Router()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        assert engine.module.router.weight.ds_tensor.dtype == torch.float32
+        with pytest.raises(RuntimeError, match=r"^router\.weight is kept in fp32 \(data_types\.keep_in_fp32_modules\)"):
+            engine(torch.ones(2, HIDDEN, dtype=torch.bfloat16, device=engine.device))
 
 
 class TestTrainingDtype(DistributedTest):

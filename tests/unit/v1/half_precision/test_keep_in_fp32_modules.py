@@ -853,7 +853,7 @@ class TestBadInput(DistributedTest):
 
     def test_whether_parameters_are_kept_is_decided_at_initialize(self):
         engine = _engine(_config(keep=["sink"], stage=0), zero_init=False)
-        assert vars(engine).get("_keeps_params_in_fp32") is True
+        assert vars(engine).get("keeps_params_in_fp32") is True
 
     def test_pattern_matching_nothing_warns_once(self):
         records = _capture_warnings()

@@ -6,15 +6,20 @@
 safe_get_full_fp32_param, safe_get_full_optimizer_state and a checkpoint's parameter slice mappings read):
 
 - with round_robin_gradients, whose flat buffers hold the parameters in round-robin order;
-- right after load_checkpoint, also in an engine whose optimizer stepped before the load.
+- right after load_checkpoint, also in an engine whose optimizer stepped before the load, in ZeRO-1/2's optimizer
+  and the BF16 optimizer;
+- from a universal checkpoint, also on a rank that holds only padding of a param group.
 """
 
+import pytest
 import torch
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.common import DistributedTest
+from unit.checkpoint._keep_in_fp32_checkpoint_run import to_universal
 
 
 class Net(torch.nn.Module):
@@ -29,7 +34,19 @@ class Net(torch.nn.Module):
         return self.out(torch.relu(self.lin(x))).float().pow(2).mean()
 
 
-def _engine(**zero):
+class ScaledNet(Net):
+    """With a one-element parameter, which its own param group holds: at data-parallel size 2 one rank holds only
+    padding of that group."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor([1.5]))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale.float()
+
+
+def _engine(model_cls=Net, bf16_optimizer=False, load_universal=False, **zero):
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": 1000,
@@ -48,9 +65,17 @@ def _engine(**zero):
             **zero
         },
     }
+    if bf16_optimizer:  # ZeRO-1 with fp32 gradient accumulation
+        config["zero_optimization"]["stage"] = 1
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
     torch.manual_seed(42)
-    model = Net()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    model = model_cls()
+    params = model.parameters()
+    if model_cls is ScaledNet:
+        params = [{"params": [p for name, p in model.named_parameters() if name != "scale"]}, {"params": [model.scale]}]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     return engine
 
 
@@ -80,18 +105,44 @@ class TestRoundRobinMasters(DistributedTest):
             assert torch.equal(master, param.float()), f"{name}: its master is another parameter's values"
 
 
+def _check_states(engine, saved):
+    for name, (master, exp_avg, exp_avg_sq) in _states(engine).items():
+        assert torch.equal(master, saved[name][0]), f"{name}: master"
+        assert torch.equal(exp_avg, saved[name][1]), f"{name}: exp_avg is not the loaded one"
+        assert torch.equal(exp_avg_sq, saved[name][2]), f"{name}: exp_avg_sq is not the loaded one"
+
+
 class TestLoadedOptimizerStatesLinked(DistributedTest):
     world_size = 2
 
-    def test_accessors_read_the_loaded_states(self, tmp_path):
-        saver = _engine()
+    @pytest.mark.parametrize("bf16_optimizer", [False, True])
+    def test_accessors_read_the_loaded_states(self, bf16_optimizer, tmp_path):
+        saver = _engine(bf16_optimizer=bf16_optimizer)
         _train(saver, 2)
         saver.save_checkpoint(str(tmp_path), tag="saved")
         saved = _states(saver)
-        engine = _engine()
+        engine = _engine(bf16_optimizer=bf16_optimizer)
         _train(engine, 1)  # its own states, linked at its first step
         engine.load_checkpoint(str(tmp_path), tag="saved")
-        for name, (master, exp_avg, exp_avg_sq) in _states(engine).items():
-            assert torch.equal(master, saved[name][0]), f"{name}: master"
-            assert torch.equal(exp_avg, saved[name][1]), f"{name}: exp_avg is not the loaded one"
-            assert torch.equal(exp_avg_sq, saved[name][2]), f"{name}: exp_avg_sq is not the loaded one"
+        _check_states(engine, saved)
+
+
+class TestUniversalLoadOfPaddingOnlyPartition(DistributedTest):
+    """A universal checkpoint loads into a param group of which this rank holds only padding: it has no state to
+    load there. (ZeRO-1/2's optimizer: ds_to_universal does not convert a BF16 optimizer checkpoint with such a
+    partition, _strip_tensor_paddings in zero_checkpoint.py.)"""
+    world_size = 2
+
+    def test_masters_are_the_saved_ones(self, tmp_path, bf16_optimizer=False):
+        saver = _engine(ScaledNet, bf16_optimizer=bf16_optimizer)
+        _train(saver, 2)
+        saver.save_checkpoint(str(tmp_path), tag="saved", client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
+        saved = {name: safe_get_full_fp32_param(p) for name, p in saver.module.named_parameters()}
+        if dist.get_rank() == 0:
+            to_universal(str(tmp_path), tag="saved")
+        dist.barrier()
+        engine = _engine(ScaledNet, bf16_optimizer=bf16_optimizer, load_universal=True)
+        engine.load_checkpoint(str(tmp_path))
+        for name, param in engine.module.named_parameters():
+            assert torch.equal(safe_get_full_fp32_param(param), saved[name]), name
+        _train(engine, 1)

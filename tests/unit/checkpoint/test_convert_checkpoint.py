@@ -15,6 +15,8 @@ parameters too, which have no fp32 master and are saved in the model's dtype), o
 own ZeRO-3 load with ``load_optimizer_states=False`` does not materialize an fp32 copy of the frozen weights.
 """
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -359,7 +361,12 @@ class TestFrozenParamDtype(DistributedTest):
         _, reference, frozen = _train_and_save(TinyNet(torch.bfloat16), stage, "bf16", ckpt)
         if dist.get_rank() != 0:
             return
-        state_dict = get_fp32_state_dict_from_zero_checkpoint(ckpt, dtype=None)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            state_dict = get_fp32_state_dict_from_zero_checkpoint(ckpt, dtype=None)
+        # the frozen parameters are what the checkpoint holds, bf16, and the log does not call them fp32
+        assert "Reconstructed Frozen state dict" in printed.getvalue(), printed.getvalue()
+        assert "Frozen fp32" not in printed.getvalue(), printed.getvalue()
         assert state_dict["frozen.weight"].dtype == torch.bfloat16
         assert state_dict["proj.weight"].dtype == torch.float32
         _check(state_dict, reference, frozen, None, "dtype=None")

@@ -75,10 +75,13 @@ apply_series() {
 # starts with | the pull requests it applies on ("-": stock 0.19.8 alone) | what it does.
 PULL_REQUESTS=(
     'zero_to_fp32-return-frozen-parameters|-|zero_to_fp32 returns frozen parameters as fp32'
-    'zero-stage_1_and_2-link-fp32-masters|-|ZeRO-1/2 and the BF16 optimizer link fp32 masters and loaded optimizer states to the right parameters, and load a universal checkpoint on a rank that holds only padding of a group'
+    'zero-stage_1_and_2-link-fp32-masters|-|stock fixes the series builds on: ZeRO-1/2 and the BF16 optimizer link fp32 masters and loaded optimizer states to the right parameters, a universal checkpoint loads on a rank that holds only padding of a group, and zero_to_fp32 reads BF16 optimizer checkpoints'
     'zero-fetch-parameters-with-one-all_reduce|-|keep the parameters a model names for fp32 in fp32 under ZeRO-3'
+    'runtime-match-keep_in_fp32_modules-against-names-wit|3|match keep_in_fp32_modules against names without PEFT'"'"'s wrappers'
     'zero-stage3-offload-the-partitions|3|keep them in fp32 with ZeRO-3 CPU parameter offload'
-    'bf16_optimizer-hold-parameters-kept-in-fp32|2 3 4|keep them in fp32 under ZeRO-1/2, the BF16 optimizer and without ZeRO'
+    'zero-stage_1_and_2-move-a-group|2 3 5|keep them in fp32 under ZeRO-1/2'
+    'bf16_optimizer-hold-parameters-kept-in-fp32|2 3 5 6|keep them in fp32 with the BF16 optimizer'
+    'fp16-fused_optimizer-hold-parameters|2 3 5 6 7|keep them in fp32 without ZeRO'
 )
 
 # Write the commits $PRISTINE_TAG..HEAD of the repo $1 as patch files into the folder $2, with a series file that

@@ -9,6 +9,8 @@ safe_get_full_fp32_param, safe_get_full_optimizer_state and a checkpoint's param
 - right after load_checkpoint, also in an engine whose optimizer stepped before the load, in ZeRO-1/2's optimizer
   and the BF16 optimizer;
 - from a universal checkpoint, also on a rank that holds only padding of a param group.
+
+And zero_to_fp32 reads the BF16 optimizer's checkpoints (ZeRO-1's flat fp32 partitions, without a zero_stage).
 """
 
 import pytest
@@ -146,3 +148,23 @@ class TestUniversalLoadOfPaddingOnlyPartition(DistributedTest):
         for name, param in engine.module.named_parameters():
             assert torch.equal(safe_get_full_fp32_param(param), saved[name]), name
         _train(engine, 1)
+
+
+class TestZeroToFp32ReadsBF16Optimizer(DistributedTest):
+    """The BF16 optimizer (ZeRO-1 with fp32 gradient accumulation) writes ZeRO-1's flat fp32 partitions; zero_to_fp32
+    returns its masters, where 0.19.8 refused the checkpoint as "not a zero checkpoint"."""
+    world_size = 2
+
+    def test_returns_the_masters(self, tmp_path):
+        engine = _engine(bf16_optimizer=True)
+        _train(engine, 2)
+        engine.save_checkpoint(str(tmp_path), tag="saved")
+        masters = {name: safe_get_full_fp32_param(p) for name, p in engine.module.named_parameters()}
+        if dist.get_rank() == 0:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="saved")
+            assert state_dict.keys() == masters.keys()
+            for name, master in masters.items():
+                assert state_dict[name].dtype == torch.float32, name
+                assert torch.equal(state_dict[name], master.cpu()), name
+        dist.barrier()

@@ -122,3 +122,20 @@ pull_request_files() {
 pull_request_bases() {
     sed -n "s/^# Pull request $1, on pull requests\{0,1\} \([0-9, ]*\):.*/\1/p" "$ROOT/patches/series" | tr -d ','
 }
+
+# Make $2 the tree of pull request $1 (pristine 0.19.8 with the pull requests it applies on, then its own patches),
+# unless it is that tree already (the stamp holds the sha256 of the patch files it was made from).
+pull_request_tree() {
+    local pr=$1 dest=$2 files=() base stamp
+    for base in $(pull_request_bases "$pr") "$pr"; do
+        mapfile -t -O "${#files[@]}" files < <(pull_request_files "$base")
+    done
+    [ ${#files[@]} -gt 0 ] || die "patches/series has no pull request $pr"
+    stamp=$(cat "${files[@]}" | sha256sum | cut -d' ' -f1)
+    [ -f "$dest/.pull-request-stamp" ] && [ "$(cat "$dest/.pull-request-stamp")" = "$stamp" ] && return 0
+    say "making the tree of pull request $pr (on: $(pull_request_bases "$pr" | xargs)) in $dest"
+    unpack_pristine "$dest"
+    git -C "$dest" -c user.name=test -c user.email=test@localhost am -q "${files[@]}" >&2 \
+        || die "pull request $pr does not apply on the pull requests it names"
+    printf '%s\n' "$stamp" >"$dest/.pull-request-stamp"
+}

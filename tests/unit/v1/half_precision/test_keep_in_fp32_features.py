@@ -16,9 +16,8 @@ import torch
 
 import deepspeed
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import SinkNet, _build, _capture_warnings, _config, _train
+from unit.v1.half_precision.test_keep_in_fp32_modules import MoENet, SinkNet, _build, _capture_warnings, _config, _train
 from unit.v1.half_precision.test_keep_in_fp32_stages import _stage_config
-from unit.v1.half_precision.test_keep_in_fp32_zero12 import MoENet
 
 
 def _muon(config):

@@ -86,6 +86,31 @@ class NormToFp32Net(SinkNet):
         self.norm.to(torch.float32)
 
 
+class Expert(torch.nn.Module):
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, hidden)
+        self.sinks = torch.nn.Parameter(torch.full((hidden, ), 8.0))
+
+    def forward(self, h):
+        return self.lin(h) + self.sinks.to(h.dtype)
+
+
+class MoENet(torch.nn.Module):
+    """DeepSpeed's MoE layer, whose experts hold listed sinks."""
+
+    _keep_in_fp32_modules_strict = ["sinks"]
+
+    def __init__(self, hidden=8):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+        self.moe = MoE(hidden_size=hidden, expert=Expert(hidden), num_experts=2, ep_size=1, k=1)
+
+    def forward(self, x):
+        return self.moe(x)[0].float().pow(2).mean()
+
+
 class MultimodalNet(torch.nn.Module):
     """Lists nothing itself; the language model's list applies to its own parameters only."""
 

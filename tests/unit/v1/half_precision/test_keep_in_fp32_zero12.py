@@ -28,8 +28,8 @@ from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SLICE_MAP
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.checkpoint._keep_in_fp32_checkpoint_run import to_universal
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, SinkNetWithExtra, _build, _engine,
-                                                               _gathered, _listed_names, _sinks, _train)
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, SinkNetWithExtra, _build,
+                                                               _engine, _gathered, _listed_names, _sinks, _train)
 from unit.v1.half_precision.test_keep_in_fp32_stages import (_backend_spy, _check_dtypes, _check_kept_and_updated,
                                                              _masters, _stage_config, _stage_engine)
 
@@ -299,29 +299,6 @@ class TestKeptGroupsArePartitioned(DistributedTest):
             for name, master in masters.items():
                 assert torch.equal(state_dict[name], master), name
         dist.barrier()
-
-
-class Expert(torch.nn.Module):
-
-    def __init__(self, hidden):
-        super().__init__()
-        self.lin = torch.nn.Linear(hidden, hidden)
-        self.sinks = torch.nn.Parameter(torch.full((hidden, ), 8.0))
-
-    def forward(self, h):
-        return self.lin(h) + self.sinks.to(h.dtype)
-
-
-class MoENet(torch.nn.Module):
-    _keep_in_fp32_modules_strict = ["sinks"]
-
-    def __init__(self, hidden=8):
-        super().__init__()
-        from deepspeed.moe.layer import MoE
-        self.moe = MoE(hidden_size=hidden, expert=Expert(hidden), num_experts=2, ep_size=1, k=1)
-
-    def forward(self, x):
-        return self.moe(x)[0].float().pow(2).mean()
 
 
 # (the options, whether the fast subset runs them)

@@ -22,6 +22,7 @@ MORE_STAGES = {
     "2-offload": "ZeRO-2, offload_optimizer to the CPU",
     "3-offload-param": "ZeRO-3, offload_param to the CPU, the optimizer on the device",
     "0-fusedadam": "no ZeRO with the config's Adam: FusedAdam, in the engine's FP16_Optimizer",
+    "3-hpz": "ZeRO-3 with ZeRO++'s hierarchical partitioning, zero_hpz_partition_size 2",
 }
 DEFAULT_STAGES = tuple(STAGES)
 PRECISIONS = ("bf16", "fp16", "fp32", "autocast")
@@ -51,6 +52,8 @@ def zero_section(stage):
             "reduce_bucket_size": 50000,
             "stage3_prefetch_bucket_size": 50000,
         })
+    if stage == "3-hpz":
+        zero["zero_hpz_partition_size"] = 2
     if stage in ("3-offload", "3-offload-param"):
         zero["offload_param"] = {"device": "cpu"}
     if stage in ("3-offload", "2-offload"):

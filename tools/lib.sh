@@ -82,6 +82,7 @@ PULL_REQUESTS=(
     'zero-stage_1_and_2-move-a-group|2 3 5|keep them in fp32 under ZeRO-1/2'
     'bf16_optimizer-hold-parameters-kept-in-fp32|2 3 5 6|keep them in fp32 with the BF16 optimizer'
     'fp16-fused_optimizer-hold-parameters|2 3 5 6 7|keep them in fp32 without ZeRO'
+    'zero-all-gather-hpZ-s-secondary|3|fetch hpZ'"'"'s secondary partitions of both dtypes in one all-gather'
 )
 
 # Write the commits $PRISTINE_TAG..HEAD of the repo $1 as patch files into the folder $2, with a series file that

@@ -33,7 +33,7 @@ LISTED = ["sink", "norm", "bias_buf"]
 
 class Attention(torch.nn.Module):
     """One module with parameters of both dtypes: ``proj`` and ``bias`` train in bf16, ``sinks`` and
-    ``sink_gate`` are listed; a fetch of this module's parameters is one collective per dtype."""
+    ``sink_gate`` are listed; a fetch of this module's parameters holds both dtypes."""
 
     def __init__(self):
         super().__init__()

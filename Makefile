@@ -6,7 +6,7 @@ export DS_ACCELERATOR ?= cpu
 # A tag for the wheel's version: deepspeed-0.19.8+$(TAG).
 TAG ?= keepfp32
 
-.PHONY: setup refresh check test test-all test-pristine test-upstream gpu-check gpu-kit gpu-rehearse wheel demo bench study results clean
+.PHONY: setup refresh check test test-prs test-all test-pristine test-upstream gpu-check gpu-kit gpu-rehearse wheel demo bench study results clean
 
 setup:
 	@tools/setup
@@ -19,6 +19,10 @@ check:
 
 test: setup
 	@tools/test $(ARGS)
+
+# Each pull request's tests on its own tree (build/pr/N: pristine 0.19.8, the pull requests it applies on, itself).
+test-prs: setup
+	@set -e; for n in $$(grep -c '^# Pull request' patches/series | xargs seq); do tools/test --pr $$n $(ARGS); done
 
 test-all: setup
 	@tools/test --all $(ARGS)

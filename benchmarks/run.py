@@ -6,8 +6,8 @@
 
 One command, one machine, one run. For every stage of ``--stages`` (configs.py: ``0`` no ZeRO, ``1``, ``2``, ``3``,
 ``3-offload`` with parameter and optimizer offload to the CPU; also ``1-bf16opt``, ``2-offload``,
-``3-offload-param``, ``0-fusedadam``, ``3-hpz``), model and world size it trains three times with the same weights, data and
-config (bf16, AdamW, gradient clipping, one process per rank, started by torchrun):
+``3-offload-param``, ``0-fusedadam``, ``3-hpz``), model and world size it trains three times with the same weights,
+data and config (bf16, AdamW, gradient clipping, one process per rank, started by torchrun):
 
 * ``pristine``: pristine DeepSpeed 0.19.8 (``PYTHONPATH=build/pristine``), its default config;
 * ``series []``: the patch series with ``data_types.keep_in_fp32_modules: []`` (nothing kept);

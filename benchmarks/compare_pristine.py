@@ -12,7 +12,8 @@ clipping) with ``--world-size`` ranks, one process per rank (torchrun; gloo on t
 stage of ``--stages`` (configs.py: ``0`` no ZeRO, the engine's fp16/bf16 optimizer (fp16: the unfused one, with
 torch Adam); ``1``, ``2``; ``3``; ``3-offload``: ``offload_param`` and ``offload_optimizer`` to the CPU; also
 ``1-bf16opt``, ``2-offload``, ``3-offload-param``, ``0-fusedadam``: stage 0 with the config's Adam, FusedAdam in
-the engine's ``FP16_Optimizer``; ``3-hpz``: ZeRO++'s hierarchical partitioning in groups of 2 ranks) and each precision of ``--precisions`` (default all four):
+the engine's ``FP16_Optimizer``; ``3-hpz``: ZeRO++'s hierarchical partitioning in groups of 2 ranks) and each
+precision of ``--precisions`` (default all four):
 
 * ``bf16``: ``"bf16": {"enabled": true}``, bf16 weights and fp32 masters;
 * ``fp16``: ``"fp16": {"enabled": true}`` with dynamic loss scaling (initial scale 2^8, window 100); on a CPU

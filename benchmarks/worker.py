@@ -45,6 +45,12 @@ def build_engine(spec, config):
     import deepspeed
     # "fp32" and "autocast" (torch autocast, no bf16/fp16 section) train fp32 weights
     train_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["dtype"], torch.float32)
+    if config.get("zero_optimization", {}).get("zero_hpz_partition_size", 1) > 1:
+        # hpZ's group is a process-wide global that zero.Init creates and will not create twice; each engine of a
+        # paired timing (several engines in one process) takes a group of its own: an earlier engine keeps the one
+        # its parameters and optimizer hold.
+        from deepspeed.utils import groups
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
     torch.manual_seed(spec["seed"])
     if spec["model"] == "hf_config":
         # A transformers model from its config (tiny_hf_models' kind at the spec's sizes), built whole, weights

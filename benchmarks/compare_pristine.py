@@ -199,7 +199,8 @@ def main():
         tag = f"[stage {stage}, {precision}]"
         spec = dict(model=model,
                     model_dir=str(model_dir),
-                    dim=64,
+                    # under 3-offload-nvme, matrices whose partitions reach the swapper's 1 MiB, so that they swap
+                    dim=1024 if stage == "3-offload-nvme" else 64,
                     layers=2,
                     keep_per_block=0,
                     dtype=precision,

@@ -23,7 +23,11 @@ MORE_STAGES = {
     "3-offload-param": "ZeRO-3, offload_param to the CPU, the optimizer on the device",
     "0-fusedadam": "no ZeRO with the config's Adam: FusedAdam, in the engine's FP16_Optimizer",
     "3-hpz": "ZeRO-3 with ZeRO++'s hierarchical partitioning, zero_hpz_partition_size 2",
+    "3-offload-nvme": "ZeRO-3, offload_param to NVMe (max_in_cpu 0) and offload_optimizer to the CPU",
 }
+# offload_param's nvme_path in a config: worker.py makes a swap folder for each engine (the swapper empties its folder
+# when an engine starts, and a paired timing runs two engines in one process)
+NVME_PATH = "<a swap folder per engine>"
 DEFAULT_STAGES = tuple(STAGES)
 PRECISIONS = ("bf16", "fp16", "fp32", "autocast")
 
@@ -56,7 +60,12 @@ def zero_section(stage):
         zero["zero_hpz_partition_size"] = 2
     if stage in ("3-offload", "3-offload-param"):
         zero["offload_param"] = {"device": "cpu"}
-    if stage in ("3-offload", "2-offload"):
+    if stage == "3-offload-nvme":
+        # max_in_cpu 0: the partitions large enough to swap (1 MiB) stay on NVMe and are swapped in for each fetch
+        # and step, as in a model that does not fit in CPU memory; buffers of 2^22 elements hold the largest
+        # partition of the benchmarks' models
+        zero["offload_param"] = {"device": "nvme", "nvme_path": NVME_PATH, "max_in_cpu": 0, "buffer_size": 2**22}
+    if stage in ("3-offload", "2-offload", "3-offload-nvme"):
         zero["offload_optimizer"] = {"device": "cpu"}
     return zero
 

@@ -11,14 +11,18 @@ goes to ``rank<r>.log`` there.
 """
 
 import argparse
+import atexit
 import collections
 import gc
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import configs
 from counters import (CommCounter, StepGradRecorder, current_rss_bytes, held_bytes, live_tensor_bytes,
                       optimizer_partitions, peak_rss_bytes, peak_rss_since_reset_bytes, reset_peak_rss)
 from launch import DEV_TREE, PRISTINE
@@ -51,6 +55,10 @@ def build_engine(spec, config):
         # its parameters and optimizer hold.
         from deepspeed.utils import groups
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    offload_param = config.get("zero_optimization", {}).get("offload_param") or {}
+    if offload_param.get("nvme_path") == configs.NVME_PATH:
+        offload_param["nvme_path"] = tempfile.mkdtemp(prefix="ds-swap-")
+        atexit.register(shutil.rmtree, offload_param["nvme_path"], ignore_errors=True)
     torch.manual_seed(spec["seed"])
     if spec["model"] == "hf_config":
         # A transformers model from its config (tiny_hf_models' kind at the spec's sizes), built whole, weights

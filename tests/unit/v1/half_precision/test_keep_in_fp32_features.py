@@ -3,8 +3,8 @@
 
 # DeepSpeed Team
 """The features that hold parameters of one dtype, and so cannot keep a parameter in fp32: ZeRO++ quantized weights
-and gradients, SuperOffload, ZenFlow, Muon, DeepCompile, bf16/fp16 master weights, ZeRO-3 parameter offload to NVMe,
-ZeRO-1/2's elastic_checkpoint and MoE expert param groups, FusedLamb and optimizer.legacy_fusion without ZeRO.
+and gradients, SuperOffload, ZenFlow, Muon, DeepCompile, bf16/fp16 master weights, ZeRO-1/2's
+elastic_checkpoint and MoE expert param groups, FusedLamb and optimizer.legacy_fusion without ZeRO.
 
 With the default ``"auto"`` a model that lists parameters trains with any of them as DeepSpeed 0.19.8 trains it: the
 parameters the feature would round train in the training dtype, with one warning that names the feature and the
@@ -53,7 +53,6 @@ FEATURES = {
                                       False),
     "the Muon optimizer": ("zero2", _muon, True),
     "compile.deepcompile": ("zero3", lambda c: c.update(compile={"deepcompile": True}), False),
-    "offload_param with device nvme": ("zero3", None, False),
     "elastic_checkpoint": ("zero2", lambda c: c["zero_optimization"].update(elastic_checkpoint=True), True),
     "legacy_fusion without ZeRO": ("zero0", lambda c: c["optimizer"].update(legacy_fusion=True), False),
     "FusedLamb without ZeRO": ("zero0", lambda c: c["optimizer"].update(type="Lamb"), False),
@@ -63,19 +62,16 @@ FEATURES = {
 # "auto" with these in the fast subset (make test), with the others in the nightly matrix
 # (the Muon optimizer's "auto" case trains Muon on the CPU for over a minute: nightly; test_client_muon_optimizer
 # covers "auto" with Muon in the fast subset)
-FAST_AUTO_CASES = ["zero_quantized_gradients", "compile.deepcompile", "offload_param with device nvme",
-                   "elastic_checkpoint"]
+FAST_AUTO_CASES = ["zero_quantized_gradients", "compile.deepcompile", "elastic_checkpoint"]
 
 
-def _feature_config(feature, keep, tmp_path):
+def _feature_config(feature, keep):
     stage, change, _ = FEATURES[feature]
     if stage == "zero3":
         config = _config(keep=keep)
     else:
         config = _stage_config(stage, keep=keep)
-    if feature == "offload_param with device nvme":
-        config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
-    elif change is not None:
+    if change is not None:
         change(config)
     if feature in ("legacy_fusion without ZeRO", "FusedLamb without ZeRO"):
         del config["optimizer"]["params"]["torch_adam"]
@@ -94,8 +90,8 @@ class TestFeaturesThatRoundKeptParams(DistributedTest):
     world_size = 1
 
     @pytest.mark.parametrize("feature", FEATURES)
-    def test_explicit_list_is_refused_naming_both_ways_out(self, feature, tmp_path):
-        config = _feature_config(feature, ["sink", "norm"], tmp_path)
+    def test_explicit_list_is_refused_naming_both_ways_out(self, feature):
+        config = _feature_config(feature, ["sink", "norm"])
         with pytest.raises(ValueError, match=rf"keep_in_fp32_modules keeps 4 parameters in fp32, which .*{feature}"
                            r".*To keep them in fp32: .*keep_in_fp32_modules to \[\] to train them in"):
             _initialize(config, _build(config, zero_init=False))
@@ -104,10 +100,10 @@ class TestFeaturesThatRoundKeptParams(DistributedTest):
         feature if feature in FAST_AUTO_CASES else pytest.param(feature, marks=pytest.mark.nightly)
         for feature in FEATURES
     ])
-    def test_auto_trains_as_before_with_one_warning(self, feature, tmp_path):
+    def test_auto_trains_as_before_with_one_warning(self, feature):
         # the decision is made before the feature is set up: a feature this CPU accelerator cannot run stops after
         # it, where 0.19.8 stops too
-        config = _feature_config(feature, "auto", tmp_path)
+        config = _feature_config(feature, "auto")
         records = _capture_warnings()
         trains_here = FEATURES[feature][2]
         try:
@@ -128,9 +124,9 @@ class TestFeaturesThatRoundKeptParams(DistributedTest):
             _train(engine, config, steps=1)
 
     @pytest.mark.parametrize("keep", [["bias_buf"], "auto"])
-    def test_a_list_of_buffers_only_asks_nothing_of_the_feature(self, keep, tmp_path):
+    def test_a_list_of_buffers_only_asks_nothing_of_the_feature(self, keep):
         # a list that names no parameter keeps its buffers with any feature on: nothing refused, nothing warned
-        config = _feature_config("elastic_checkpoint", keep, tmp_path)
+        config = _feature_config("elastic_checkpoint", keep)
         records = _capture_warnings()
         engine = _initialize(config, _build(config, model_cls=BufferOnlyNet, zero_init=False))
         assert not [r.getMessage() for r in records if "keep_in_fp32_modules" in r.getMessage()]

@@ -5,8 +5,8 @@
 """Parameters a model names for fp32 stay in fp32 under ZeRO-3 with parameter offload (``offload_param``).
 
 What test_keep_in_fp32_stages.py does not cover for ``zero3_offload``: where the offloaded partitions live, zero.Init
-with ``remote_device`` cpu, models built without zero.Init, optimizer offload with fp16, loads of checkpoints saved
-with another setting, and the refusal of parameter offload to NVMe.
+with ``remote_device`` cpu, models built without zero.Init, optimizer offload with fp16, and loads of checkpoints
+saved with another setting. Offload to NVMe: test_keep_in_fp32_nvme.py.
 """
 
 import os

@@ -39,7 +39,7 @@ class SwappedNet(SinkNet):
         return super().forward(x + 1e-2 * self.down(torch.relu(self.up(x))), grad_boost)
 
 
-def _nvme_config(tmp_path, keep="auto", max_in_cpu=0):
+def _nvme_config(tmp_path, keep="auto", max_in_cpu=0, optimizer_device="cpu"):
     # max_in_cpu 0: no parameter partition of the training dtype is moved into CPU memory for good, so each fetch
     # and step swaps them in and out
     offload_param = {
@@ -51,7 +51,10 @@ def _nvme_config(tmp_path, keep="auto", max_in_cpu=0):
     }
     if max_in_cpu is not None:
         offload_param["max_in_cpu"] = max_in_cpu
-    return _config(keep=keep, offload_param=offload_param, offload_optimizer={"device": "cpu"})
+    offload_optimizer = {"device": optimizer_device}
+    if optimizer_device == "nvme":
+        offload_optimizer["nvme_path"] = str(tmp_path)
+    return _config(keep=keep, offload_param=offload_param, offload_optimizer=offload_optimizer)
 
 
 def _on_nvme(param):
@@ -86,9 +89,10 @@ class TestZeroInitWithNvme(DistributedTest):
 class TestNvmeTraining(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("keep", ["auto", ["sink", "norm", "bias_buf"]])
-    def test_kept_params_train_in_fp32(self, keep, tmp_path):
-        config = _nvme_config(tmp_path, keep=keep)
+    @pytest.mark.parametrize("keep, optimizer_device", [("auto", "cpu"), (["sink", "norm", "bias_buf"], "cpu"),
+                                                         ("auto", "nvme")])
+    def test_kept_params_train_in_fp32(self, keep, optimizer_device, tmp_path):
+        config = _nvme_config(tmp_path, keep=keep, optimizer_device=optimizer_device)
         engine = _engine(config, model_cls=SwappedNet)
         kept = _listed_names(engine.module)
         _check_dtypes(engine.module, kept)

@@ -65,6 +65,9 @@ def zero_section(stage):
         # and step, as in a model that does not fit in CPU memory; buffers of 2^22 elements hold the largest
         # partition of the benchmarks' models
         zero["offload_param"] = {"device": "nvme", "nvme_path": NVME_PATH, "max_in_cpu": 0, "buffer_size": 2**22}
+        # no prefetch: 0.19.8's NVMe prefetch swaps in a partition twice on the benchmarks' torch model and stops
+        # ("param 4 already assigned swap buffer id 3", __prefetch_nvme_param_partitions)
+        zero["stage3_prefetch_bucket_size"] = 0
     if stage in ("3-offload", "2-offload", "3-offload-nvme"):
         zero["offload_optimizer"] = {"device": "cpu"}
     return zero

@@ -13,7 +13,7 @@ stage (STAGES) belongs to that stage's pull request. A few tests of a file test 
 
 import re
 
-ZERO3, PEFT, PARAM_OFFLOAD, ZERO12, BF16_OPTIMIZER, NO_ZERO, HPZ, NVME_OFFLOAD = 3, 4, 5, 6, 7, 8, 9, 10
+ZERO3, PEFT, PARAM_OFFLOAD, ZERO12, BF16_OPTIMIZER, NO_ZERO, HPZ, NVME_OFFLOAD, MUON = 3, 4, 5, 6, 7, 8, 9, 10, 11
 
 FILES = {
     "unit/checkpoint/test_convert_checkpoint.py": 1,
@@ -33,6 +33,7 @@ FILES = {
     "unit/v1/half_precision/test_keep_in_fp32_zero0.py": NO_ZERO,
     "unit/v1/half_precision/test_keep_in_fp32_zeropp.py": HPZ,
     "unit/v1/half_precision/test_keep_in_fp32_nvme.py": NVME_OFFLOAD,
+    "unit/v1/half_precision/test_keep_in_fp32_muon.py": MUON,
 }
 
 # The stage a case's id starts with (its first "-"-separated part), in the order they are tried.
@@ -66,8 +67,6 @@ TESTS = {
     "unit/v1/half_precision/test_keep_in_fp32_features.py::TestFeaturesThatRoundKeptParams::test_auto_trains_as_before_with_one_warning[elastic_checkpoint]":
     ZERO12,
     "unit/v1/half_precision/test_keep_in_fp32_features.py::TestKeptExpertParams": ZERO12,
-    "unit/v1/half_precision/test_keep_in_fp32_features.py::TestFeaturesThatRoundKeptParams::test_client_muon_optimizer":
-    ZERO12,
     "unit/v1/half_precision/test_keep_in_fp32_modules.py::TestBadInput::test_whether_parameters_are_kept_is_decided_at_initialize":
     NO_ZERO,
     "unit/v1/half_precision/test_keep_in_fp32_features.py::TestFeaturesThatRoundKeptParams::test_explicit_list_is_refused_naming_both_ways_out[legacy_fusion without ZeRO]":

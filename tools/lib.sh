@@ -84,6 +84,7 @@ PULL_REQUESTS=(
     'fp16-fused_optimizer-hold-parameters|2 3 5 6 7|keep them in fp32 without ZeRO'
     'zero-all-gather-hpZ-s-secondary|3|fetch hpZ'"'"'s secondary partitions of both dtypes in one all-gather'
     'zero-keep-the-partitions-of-parameters-kept-in-fp32-|2 3 5 6 7 8|keep them in fp32 with ZeRO-3 parameter offload to NVMe'
+    'runtime-update-the-parameters-a-model-names-for-fp32|2 3 5 6 7 8 10|keep them in fp32 with the Muon optimizer'
 )
 
 # Write the commits $PRISTINE_TAG..HEAD of the repo $1 as patch files into the folder $2, with a series file that

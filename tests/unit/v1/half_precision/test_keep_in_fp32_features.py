@@ -3,7 +3,7 @@
 
 # DeepSpeed Team
 """The features that hold parameters of one dtype, and so cannot keep a parameter in fp32: ZeRO++ quantized weights
-and gradients, SuperOffload, ZenFlow, Muon, DeepCompile, bf16/fp16 master weights, ZeRO-1/2's
+and gradients, SuperOffload, ZenFlow, DeepCompile, bf16/fp16 master weights, ZeRO-1/2's
 elastic_checkpoint and MoE expert param groups, FusedLamb and optimizer.legacy_fusion without ZeRO.
 
 With the default ``"auto"`` a model that lists parameters trains with any of them as DeepSpeed 0.19.8 trains it: the
@@ -18,21 +18,6 @@ import deepspeed
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import MoENet, SinkNet, _build, _capture_warnings, _config, _train
 from unit.v1.half_precision.test_keep_in_fp32_stages import _stage_config
-
-
-def _muon(config):
-    config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-5}}
-
-
-def _client_muon(model):
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-    for param in model.parameters():
-        param.use_muon = param.ndim == 2
-    groups = [{
-        "params": [p for p in model.parameters() if p.use_muon == use_muon],
-        "use_muon": use_muon
-    } for use_muon in (True, False)]
-    return MuonWithAuxAdam(groups)
 
 
 # feature: (the stage, a change of its config, whether the feature trains on the CPU accelerator, as far as 0.19.8
@@ -51,7 +36,6 @@ FEATURES = {
                                                                   zenflow={"topk_ratio": 0.5}), False),
     "bf16_master_weights_and_grads": ("zero2", lambda c: c["bf16"].update(bf16_master_weights_and_grads=True),
                                       False),
-    "the Muon optimizer": ("zero2", _muon, True),
     "compile.deepcompile": ("zero3", lambda c: c.update(compile={"deepcompile": True}), False),
     "elastic_checkpoint": ("zero2", lambda c: c["zero_optimization"].update(elastic_checkpoint=True), True),
     "legacy_fusion without ZeRO": ("zero0", lambda c: c["optimizer"].update(legacy_fusion=True), False),
@@ -60,8 +44,6 @@ FEATURES = {
 
 
 # "auto" with these in the fast subset (make test), with the others in the nightly matrix
-# (the Muon optimizer's "auto" case trains Muon on the CPU for over a minute: nightly; test_client_muon_optimizer
-# covers "auto" with Muon in the fast subset)
 FAST_AUTO_CASES = ["zero_quantized_gradients", "compile.deepcompile", "elastic_checkpoint"]
 
 
@@ -133,18 +115,6 @@ class TestFeaturesThatRoundKeptParams(DistributedTest):
         assert engine.module.bias_buf.dtype == torch.float32
         assert engine.module.attn.sinks.dtype == torch.bfloat16
         _train(engine, config, steps=1)
-
-    def test_client_muon_optimizer(self):
-        config = _stage_config("zero2", keep=["sink", "norm"])
-        model = _build(config, zero_init=False)
-        with pytest.raises(ValueError, match=r"keeps 4 parameters in fp32, which the Muon optimizer"):
-            deepspeed.initialize(model=model, optimizer=_client_muon(model), config=config)
-        config = _stage_config("zero2")
-        model = _build(config, zero_init=False)
-        records = _capture_warnings()
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_client_muon(model), config=config)
-        assert len([r for r in records if "the Muon optimizer would round" in r.getMessage()]) == 1
-        assert engine.module.attn.sinks.dtype == torch.bfloat16
 
 
 class TestKeptExpertParams(DistributedTest):

@@ -90,7 +90,7 @@ class TestNvmeTraining(DistributedTest):
     world_size = 2
 
     @pytest.mark.parametrize("keep, optimizer_device", [("auto", "cpu"), (["sink", "norm", "bias_buf"], "cpu"),
-                                                         ("auto", "nvme")])
+                                                        ("auto", "nvme")])
     def test_kept_params_train_in_fp32(self, keep, optimizer_device, tmp_path):
         config = _nvme_config(tmp_path, keep=keep, optimizer_device=optimizer_device)
         engine = _engine(config, model_cls=SwappedNet)

@@ -1,0 +1,160 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Parameters a model names for fp32 stay in fp32 with the Muon optimizer (by config, and as ``MuonWithAuxAdam``),
+updated by the rule their group asks for: Muon for matrices, the auxiliary Adam for the rest, at ZeRO-1/2 and ZeRO-3.
+"""
+
+import pytest
+import torch
+
+import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param
+from unit.common import DistributedTest
+from unit.v1.half_precision.test_keep_in_fp32_modules import (HIDDEN, LISTED, SinkNet, _build, _config,
+                                                              _check_kept_and_updated, _gathered, _train)
+
+LR = 1e-5
+
+
+class RouterNet(SinkNet):
+    """SinkNet with a listed matrix (a router's weight, which Muon updates) next to its listed vectors (Adam's)."""
+    _keep_in_fp32_modules_strict = LISTED + ["router"]
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x, grad_boost=0.0):
+        gate = torch.softmax(self.router(x.float()), dim=-1).to(x.dtype)
+        return super().forward(x * gate, grad_boost)
+
+
+def _muon_config(stage, keep="auto", offload_optimizer=False):
+    config = _config(keep=keep)
+    config["zero_optimization"] = {"stage": stage}
+    if stage == 3:
+        # ZeRO-3's Muon reduces whole gradients (it refuses reduce_scatter)
+        config["zero_optimization"].update(stage3_param_persistence_threshold=0, reduce_scatter=False)
+    if offload_optimizer:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
+    config["optimizer"] = {"type": "Muon", "params": {"lr": LR}}
+    return config
+
+
+def _client_muon(model):
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    for param in model.parameters():
+        param.use_muon = len(getattr(param, "ds_shape", param.shape)) == 2  # a ZeRO-3 parameter's data is empty
+    return MuonWithAuxAdam([{
+        "params": [p for p in model.parameters() if p.use_muon == use_muon],
+        "use_muon": use_muon,
+        "lr": LR
+    } for use_muon in (True, False)])
+
+
+def _initialize(config, client_optimizer=False):
+    model = _build(config, model_cls=RouterNet, zero_init=config["zero_optimization"]["stage"] == 3)
+    if client_optimizer:
+        config = dict(config)
+        del config["optimizer"]
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_client_muon(model), config=config)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _kept(model):
+    return {name for name, _ in model.named_parameters() if any(k in name for k in ("sink", "norm", "router"))}
+
+
+def _check_dtypes(model):
+    kept = _kept(model)
+    for name, param in model.named_parameters():
+        want = torch.float32 if name in kept else torch.bfloat16
+        assert param.dtype == want and getattr(param, "ds_tensor", param).dtype == want, name
+
+
+def _values(model):
+    return {name: _gathered(param) for name, param in model.named_parameters()}
+
+
+def _check_first_step_rules(before, after):
+    """Adam's first step moves every element by lr (its update is m / sqrt(v) = sign(g)); Muon's is an orthogonalized
+    matrix, whose elements differ in size. Kept in fp32, both show exactly."""
+    sinks = (after["attn.sinks"] - before["attn.sinks"]).abs()
+    assert torch.allclose(sinks, torch.full_like(sinks, LR), rtol=0.1), f"the sinks did not take Adam's step: {sinks}"
+    router = (after["router.weight"] - before["router.weight"]).abs()
+    assert router.max() > 1.5 * router.min() and router.max() > LR / 10, f"the router did not take Muon's: {router}"
+
+
+class TestMuonKeepsListedParams(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    @pytest.mark.parametrize("keep", ["auto", LISTED + ["router"]])
+    def test_by_config(self, stage, keep):
+        config = _muon_config(stage, keep)
+        engine = _initialize(config)
+        _check_dtypes(engine.module)
+        assert engine.module.router.weight.use_muon and not engine.module.attn.sinks.use_muon
+        before = _values(engine.module)
+        _train(engine, config, steps=1)
+        _check_first_step_rules(before, _values(engine.module))
+        losses = _train(engine, config, steps=2)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        _check_dtypes(engine.module)
+        _check_kept_and_updated(engine)
+        router = _gathered(engine.module.router.weight)
+        assert torch.equal(router, safe_get_full_fp32_param(engine.module.router.weight).cpu())
+        assert not torch.equal(router, router.bfloat16().float()), "the router is on the bf16 grid"
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_muon_with_aux_adam(self, stage):
+        config = _muon_config(stage)
+        engine = _initialize(config, client_optimizer=True)
+        _check_dtypes(engine.module)
+        before = _values(engine.module)
+        _train(engine, config, steps=1)
+        _check_first_step_rules(before, _values(engine.module))
+        _train(engine, config, steps=1)
+        _check_kept_and_updated(engine)
+
+    @pytest.mark.nightly
+    def test_with_optimizer_offload(self):
+        config = _muon_config(2, offload_optimizer=True)
+        engine = _initialize(config)
+        _check_dtypes(engine.module)
+        before = _values(engine.module)
+        _train(engine, config, steps=1)
+        _check_first_step_rules(before, _values(engine.module))
+        _check_kept_and_updated(engine)
+
+
+class TestMuonCheckpoint(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_round_trip_is_exact(self, stage, tmp_path):
+        """Save after 2 steps; a new engine loads it: its next 2 steps are bit for bit those of the saving engine
+        (losses and every parameter), Muon's momentum and Adam's moments restored."""
+        config = _muon_config(stage)
+        engine = _initialize(config)
+        _train(engine, config, steps=2)
+        engine.save_checkpoint(str(tmp_path))
+        saved = _values(engine.module)
+        losses = _train(engine, config, steps=2)
+        after = _values(engine.module)
+        del engine
+
+        torch.manual_seed(7)
+        loaded = _initialize(config)
+        loaded.load_checkpoint(str(tmp_path))
+        _check_dtypes(loaded.module)
+        for name, value in _values(loaded.module).items():
+            assert value.dtype == saved[name].dtype and torch.equal(value, saved[name]), f"{name} after the load"
+        assert _train(loaded, config, steps=2) == losses
+        for name, value in _values(loaded.module).items():
+            assert torch.equal(value, after[name]), f"{name} differs 2 steps after the load"

@@ -24,6 +24,8 @@ MORE_STAGES = {
     "0-fusedadam": "no ZeRO with the config's Adam: FusedAdam, in the engine's FP16_Optimizer",
     "3-hpz": "ZeRO-3 with ZeRO++'s hierarchical partitioning, zero_hpz_partition_size 2",
     "3-offload-nvme": "ZeRO-3, offload_param to NVMe (max_in_cpu 0) and offload_optimizer to the CPU",
+    "2-muon": "ZeRO-2 with the Muon optimizer (by config: Muon for matrices, its auxiliary Adam for the rest)",
+    "3-muon": "ZeRO-3 with the Muon optimizer (by config), reduce_scatter off (ZeRO-3's Muon needs it off)",
 }
 # offload_param's nvme_path in a config: worker.py makes a swap folder for each engine (the swapper empties its folder
 # when an engine starts, and a paired timing runs two engines in one process)
@@ -68,6 +70,8 @@ def zero_section(stage):
         # no prefetch: 0.19.8's NVMe prefetch swaps in a partition twice on the benchmarks' torch model and stops
         # ("param 4 already assigned swap buffer id 3", __prefetch_nvme_param_partitions)
         zero["stage3_prefetch_bucket_size"] = 0
+    if stage == "3-muon":
+        zero["reduce_scatter"] = False
     if stage in ("3-offload", "2-offload", "3-offload-nvme"):
         zero["offload_optimizer"] = {"device": "cpu"}
     return zero
@@ -99,6 +103,9 @@ def ds_config(micro_batch, world_size, keep=UNSET, dtype="bf16", overrides=None,
     if stage == "0-fusedadam":
         # the engine builds the optimizer (worker.py passes none): AdamW as the client one, but fused
         config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.0}}
+    if stage.endswith("-muon"):
+        # the engine builds Muon, tagging matrices for Muon and the rest for its auxiliary Adam
+        config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-3, "weight_decay": 0.0}}
     data_types = {}
     if stage == "1-bf16opt":
         data_types["grad_accum_dtype"] = "fp32"

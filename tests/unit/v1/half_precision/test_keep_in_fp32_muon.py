@@ -93,9 +93,17 @@ def _check_first_step_rules(before, after):
 class TestMuonKeepsListedParams(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("stage", [1, 2, 3])
-    @pytest.mark.parametrize("keep", ["auto", LISTED + ["router"]])
-    def test_by_config(self, stage, keep):
+    @pytest.mark.parametrize("keep, stage", [
+        ("auto", 2),
+        (LISTED + ["router"], 3),
+        *[
+            pytest.param(keep, stage, marks=pytest.mark.nightly)
+            for keep, stage in (("auto", 1), ("auto", 3), (LISTED + ["router"], 1), (LISTED + ["router"], 2))
+        ],
+    ])
+    def test_by_config(self, keep, stage):
+        # ZeRO-1, 2 and 3, "auto" and an explicit list (two in the fast subset, the others nightly: Muon's steps
+        # take seconds on the CPU)
         config = _muon_config(stage, keep)
         engine = _initialize(config)
         _check_dtypes(engine.module)
@@ -111,7 +119,7 @@ class TestMuonKeepsListedParams(DistributedTest):
         assert torch.equal(router, safe_get_full_fp32_param(engine.module.router.weight).cpu())
         assert not torch.equal(router, router.bfloat16().float()), "the router is on the bf16 grid"
 
-    @pytest.mark.parametrize("stage", [2, 3])
+    @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.nightly), 3])
     def test_muon_with_aux_adam(self, stage):
         config = _muon_config(stage)
         engine = _initialize(config, client_optimizer=True)
@@ -136,7 +144,7 @@ class TestMuonKeepsListedParams(DistributedTest):
 class TestMuonCheckpoint(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("stage", [2, 3])
+    @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.nightly), 3])
     def test_round_trip_is_exact(self, stage, tmp_path):
         """Save after 2 steps; a new engine loads it: its next 2 steps are bit for bit those of the saving engine
         (losses and every parameter), Muon's momentum and Adam's moments restored."""

@@ -112,7 +112,11 @@ def live_tensor_bytes(device_type):
     seen = set()
     total = 0
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
+        try:
+            is_tensor = isinstance(obj, torch.Tensor)
+        except ReferenceError:  # a weakref.proxy whose object is gone (the Muon optimizer holds some)
+            continue
+        if is_tensor:
             key = _storage_key(obj)
             if key and key[0] and key[2] == device_type and key[0] not in seen:
                 seen.add(key[0])

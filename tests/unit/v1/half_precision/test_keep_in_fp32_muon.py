@@ -14,6 +14,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (HIDDEN, LISTED, SinkNet, _build, _config,
                                                               _check_kept_and_updated, _gathered, _train)
+from unit.v1.half_precision.test_keep_in_fp32_stages import _check_dtypes as check_dtypes
 
 LR = 1e-5
 
@@ -71,10 +72,7 @@ def _kept(model):
 
 
 def _check_dtypes(model):
-    kept = _kept(model)
-    for name, param in model.named_parameters():
-        want = torch.float32 if name in kept else torch.bfloat16
-        assert param.dtype == want and getattr(param, "ds_tensor", param).dtype == want, name
+    check_dtypes(model, _kept(model), torch.bfloat16)
 
 
 def _values(model):

@@ -16,10 +16,10 @@ import deepspeed
 from deepspeed.ops.op_builder import AsyncIOBuilder
 from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (HIDDEN, SinkNet, _check_kept_and_updated,
                                                               _config, _engine, _gathered, _listed_names, _train)
+from unit.v1.half_precision.test_keep_in_fp32_param_offload import _master_and_moments
 
 if not deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]:
     pytest.skip("the async I/O op is not compatible here (libaio)", allow_module_level=True)
@@ -112,11 +112,6 @@ class TestNvmeTraining(DistributedTest):
         assert not engine.optimizer.keeps_params_in_fp32 and engine.optimizer.kept_param_flat_cpu_memory is None
         _check_dtypes(engine.module, set())
         _train(engine, config, steps=1)
-
-
-def _master_and_moments(param):
-    moments = [safe_get_full_optimizer_state(param, key) for key in ("exp_avg", "exp_avg_sq")]
-    return [safe_get_full_fp32_param(param)] + moments
 
 
 class TestNvmeCheckpoint(DistributedTest):

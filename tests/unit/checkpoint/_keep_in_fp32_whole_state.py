@@ -1,0 +1,250 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The whole training state of an engine, per parameter name, and what a resume must do with it: the oracle of every
+resume test.
+
+``whole_state(engine)`` (a collective: every rank calls it) returns what a job that stopped and resumed must get back:
+
+- per trainable parameter name, every state its optimizer keeps for it: each tensor state (Adam's ``exp_avg`` and
+  ``exp_avg_sq``, SGD's ``momentum_buffer``, ...) gathered whole, and each scalar state (``step``) as every master
+  holding a piece of the parameter on any rank holds it (they must agree), with the hyperparameters of its param
+  group (``lr``, ``betas``, ``initial_lr`` that a scheduler adds, ...);
+- its fp32 master, gathered whole;
+- the loss scaler's state, the lr scheduler's ``state_dict()`` and the engine's step counters (``micro_steps`` is not
+  saved by DeepSpeed, so it is not compared).
+
+The masters are found through attributes that DeepSpeed 0.19.8 has too, so a reference can be taken by a pristine
+0.19.8 run. ``check_whole_state(got, want)`` compares two of them key by key, exactly. ``Continuation(engine)``, made
+right after a load, records what the base optimizer is fed during the next steps and ``check(k)`` replays it on an
+optimizer of the same class per master, fed the loaded state: each master and each of its states must equal the
+replay's bit for bit, and each master's ``step`` must be the loaded count plus k. A step tensor that two masters
+share (each ``step()`` then advances it once per master) fails both ``check_masters_own_their_states`` and the
+replay.
+"""
+
+import copy
+import inspect
+
+import torch
+
+import deepspeed.comm as dist
+
+COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+def base_optimizer(engine):
+    """The torch optimizer under the engine's: ZeRO's optimizers and the fp16/bf16 wrappers hold it as
+    ``.optimizer``."""
+    optimizer = engine.optimizer
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _masters(engine):
+    """This rank's masters: [(the base optimizer's tensor, [(name, offset in it, the parameter)] whose pieces it
+    holds)], through attributes that 0.19.8's optimizers have as well."""
+    wrapper, optimizer = engine.optimizer, base_optimizer(engine)
+    names = {id(param): name for name, param in engine.module.named_parameters()}
+    if hasattr(wrapper, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        result = []
+        for params, master in zip(wrapper.fp16_groups, wrapper.fp32_partitioned_groups_flat):
+            result.append((master, [(names[id(p)], None, p) for p in params]))
+        return result
+    params = [(name, p) for name, p in engine.module.named_parameters() if getattr(p, "_hp_mapping", None)]
+    if hasattr(wrapper, "bit16_groups") or hasattr(wrapper, "bf16_groups"):  # ZeRO-1/2, the BF16 optimizer
+        result = []
+        for group in optimizer.param_groups:
+            for master in group["params"]:
+                ptr = master.untyped_storage().data_ptr()
+                held = [(name, None, p) for name, p in params
+                        if p._hp_mapping.hp_fragment.untyped_storage().data_ptr() == ptr]
+                result.append((master, held))
+        return result
+    if hasattr(wrapper, "fp32_groups_flat"):  # FP16_Optimizer
+        return [(master, [(names[id(p)], None, p) for p in params])
+                for params, master in zip(wrapper.fp16_groups, wrapper.fp32_groups_flat)]
+    if hasattr(wrapper, "fp32_groups"):  # FP16_UnfusedOptimizer: a master per parameter
+        return [(master, [(names[id(p)], None, p)]) for params, masters in zip(wrapper.fp16_groups,
+                                                                              wrapper.fp32_groups)
+                for p, master in zip(params, masters)]
+    return [(p, [(names[id(p)], None, p)]) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _group_of(optimizer, master, engine):
+    """The hyperparameters of the param group of ``master`` (without ``params``)."""
+    for group in optimizer.param_groups:
+        if any(p is master for p in group["params"]):
+            return {key: value for key, value in group.items() if key != "params"}
+    wrapper = engine.optimizer  # ZeRO-3 lists a sub-group's master in its param group only during its step
+    index = [id(m) for m in wrapper.fp32_partitioned_groups_flat].index(id(master))
+    group = optimizer.param_groups[wrapper.sub_group_to_group_id[index]]
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _plain(value):
+    return value.item() if torch.is_tensor(value) else value
+
+
+def _is_flat(value):
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def _effective_state(optimizer, master):
+    """``master``'s state as its optimizer reads it. FusedAdam advances and reads the step of the last parameter of a
+    param group only (its ``state`` leaks out of the loop over the group): that one counts for every master."""
+    state = optimizer.state[master]
+    if type(optimizer).__name__ == "FusedAdam":
+        for group in optimizer.param_groups:
+            if any(p is master for p in group["params"]) and "step" in optimizer.state[group["params"][-1]]:
+                return dict(state, step=optimizer.state[group["params"][-1]]["step"])
+    return state
+
+
+def _full_tensor_state(engine, param, key, flat_state, offset):
+    """The whole of ``param``'s tensor state ``key`` (a collective under ZeRO)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    if key is None:
+        value = safe_get_full_fp32_param(param)
+    else:
+        value = safe_get_full_optimizer_state(param, key)
+    if value is not None:
+        return value.detach().cpu().clone()
+    return flat_state.reshape(-1).narrow(0, offset, param.numel()).view_as(param).detach().cpu().clone()
+
+
+def whole_state(engine):
+    """The engine's whole training state, per parameter name (see the module's docstring). A collective."""
+    optimizer = base_optimizer(engine)
+    masters = _masters(engine)
+    local = {}  # name -> (scalars of each master holding a piece, tensor keys, the group's hyperparameters)
+    offsets = {}
+    for master, held in masters:
+        state = _effective_state(optimizer, master)
+        scalars = {key: _plain(value) for key, value in state.items() if not _is_flat(value)}
+        keys = sorted(key for key, value in state.items() if _is_flat(value))
+        group = _group_of(optimizer, master, engine)
+        start = 0
+        for name, _, param in held:
+            local.setdefault(name, []).append((scalars, keys, group))
+            offsets[name] = (master, start)
+            start += param.numel()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    params = {}
+    for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
+        seen = [entry for rank_local in gathered for entry in rank_local.get(name, [])]
+        assert seen, f"{name}: no master holds it on any rank"
+        scalars, keys, group = seen[0]
+        for other in seen[1:]:
+            assert other == seen[0], f"{name}: the masters holding it disagree: {seen}"
+        entry = {"scalars": scalars, "group": group, "states": {}}
+        master, offset = offsets.get(name, (None, 0))
+        flat = lambda key: master if key is None else optimizer.state[master][key]  # noqa: E731
+        for key in [None] + keys:
+            value = _full_tensor_state(engine, param, key, flat(key) if master is not None else None, offset)
+            entry["states"]["master" if key is None else key] = value
+        params[name] = entry
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    scheduler = getattr(engine, "lr_scheduler", None)
+    return {
+        "params": params,
+        "scaler": {key: _plain(value)
+                   for key, value in vars(scaler).items()} if scaler is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "counters": {key: getattr(engine, key) for key in COUNTERS},
+    }
+
+
+def check_whole_state(got, want, what="the load"):
+    """``got`` is ``want`` (whole_state), exactly: the same parameters, each with the same tensor states (dtype and
+    every value), scalar states and hyperparameters; the same scaler, scheduler and counters."""
+    assert set(got["params"]) == set(want["params"]), \
+        f"after {what}: parameters {sorted(set(got['params']) ^ set(want['params']))} differ"
+    for name, entry in want["params"].items():
+        other = got["params"][name]
+        assert set(other["states"]) == set(entry["states"]), \
+            f"{name}: states {sorted(other['states'])} after {what}, {sorted(entry['states'])} saved"
+        for key, value in entry["states"].items():
+            assert other["states"][key].dtype == value.dtype and torch.equal(other["states"][key], value), \
+                f"{name}: {key} differs after {what}"
+        assert other["scalars"] == entry["scalars"], \
+            f"{name}: scalar states {other['scalars']} after {what}, {entry['scalars']} saved"
+        assert other["group"] == entry["group"], \
+            f"{name}: param group {other['group']} after {what}, {entry['group']} saved"
+    for key in ("scaler", "scheduler", "counters"):
+        assert got[key] == want[key], f"the {key} after {what}: {got[key]}, saved {want[key]}"
+
+
+def check_masters_own_their_states(engine):
+    """No two masters share a state tensor (a shared ``step`` is advanced once per master a step)."""
+    optimizer = base_optimizer(engine)
+    seen = {}
+    for index, (master, _) in enumerate(_masters(engine)):
+        for key, value in optimizer.state[master].items():
+            if torch.is_tensor(value):
+                ptr = value.untyped_storage().data_ptr()
+                assert ptr not in seen, f"masters {seen[ptr]} and {index} share their state {key!r}"
+                seen[ptr] = index
+
+
+def _replica(optimizer, group, state):
+    """An optimizer of ``optimizer``'s class over a new master alone, with the hyperparameters ``group`` and a copy of
+    ``state``; returns it and its master, to be filled."""
+    master = torch.nn.Parameter(torch.empty_like(next(v for v in state.values() if _is_flat(v)), dtype=torch.float32))
+    kwargs = {}
+    if "adamw_mode" in inspect.signature(type(optimizer)).parameters:  # DeepSpeedCPUAdam keeps it off the group
+        kwargs["adamw_mode"] = optimizer.adam_w_mode
+    replica = type(optimizer)([dict(group, params=[master])], **kwargs)
+    replica.state[master] = copy.deepcopy(state)
+    return replica, master
+
+
+class Continuation:
+    """Made right after a load: records each master, its state and its param group, and every gradient the base
+    optimizer is given during the next steps, with the hyperparameters of that step (a scheduler sets the lr); ``check(k)`` after k steps (see the module's docstring)."""
+
+    def __init__(self, engine):
+        self.optimizer = base_optimizer(engine)
+        self.loaded = []
+        for master, _ in _masters(engine):
+            state = copy.deepcopy(dict(_effective_state(self.optimizer, master)))
+            group = copy.deepcopy(_group_of(self.optimizer, master, engine))
+            self.loaded.append((master, master.detach().clone(), state, group))
+        self.grads = {id(master): [] for master, *_ in self.loaded}
+        self.handle = self.optimizer.register_step_pre_hook(self._record)
+
+    def _record(self, optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in self.grads and p.grad is not None:  # the gradient, and the lr a scheduler set
+                    hyperparameters = {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+                    self.grads[id(p)].append((p.grad.detach().clone(), hyperparameters))
+
+    def check(self, steps):
+        self.handle.remove()
+        for index, (master, loaded, state, group) in enumerate(self.loaded):
+            grads = self.grads[id(master)]
+            assert len(grads) == steps, f"master {index} was stepped {len(grads)} times in {steps} steps"
+            now = _effective_state(self.optimizer, master)
+            if "step" in state:
+                assert _plain(now["step"]) == _plain(state["step"]) + steps, \
+                    f"master {index}: step {_plain(now['step'])}, loaded {_plain(state['step'])} + {steps} steps"
+            if not any(_is_flat(value) for value in state.values()):
+                continue  # loaded before the optimizer made any state: nothing to replay from
+            replica, replayed = _replica(self.optimizer, group, state)
+            with torch.no_grad():
+                replayed.copy_(loaded)
+            for grad, hyperparameters in grads:
+                replayed.grad = grad
+                replica.param_groups[0].update(hyperparameters)
+                replica.step()
+            assert torch.equal(replayed.detach(), master.detach()), \
+                f"master {index} is not what its optimizer makes of the loaded state in {steps} steps"
+            for key, value in replica.state[replayed].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(now[key])), \
+                    f"master {index}: {key} is not what its optimizer makes of the loaded state in {steps} steps"

@@ -4,8 +4,8 @@
 # DeepSpeed Team
 """What resuming a checkpoint of other flat groups costs each rank, against stock 0.19.8 resuming its own.
 
-For every stage of ``--stages`` (ZeRO-1, ZeRO-2, the BF16 optimizer) and world size of ``--world-sizes``, three
-checkpoints of the synthetic model (``--dim`` 1024, ``--layers`` 8: 8.9 M parameters, 1 % of them a parameter
+For every stage of ``--stages`` (ZeRO-1, ZeRO-2, the BF16 optimizer, ZeRO-3) and world size of ``--world-sizes``,
+three checkpoints of the synthetic model (``--dim`` 1024, ``--layers`` 8: 8.9 M parameters, 1 % of them a parameter
 ``keep`` per block), each after two steps, bf16: saved by pristine 0.19.8, by the series with
 ``keep_in_fp32_modules: []`` and by the series keeping ``["keep"]``. Then four loads, each a job of its own:
 
@@ -69,7 +69,7 @@ def mib(x):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stages", default="1,2,1-bf16opt")
+    parser.add_argument("--stages", default="1,2,1-bf16opt,3")
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)

@@ -26,6 +26,7 @@ FILES = {
     "unit/v1/half_precision/test_keep_in_fp32_features.py": ZERO3,
     "unit/v1/half_precision/test_keep_in_fp32_stages.py": ZERO3,
     "unit/checkpoint/test_keep_in_fp32_checkpoints.py": ZERO3,
+    "unit/checkpoint/test_keep_in_fp32_resume.py": ZERO3,
     "unit/v1/half_precision/test_keep_in_fp32_trainer.py": ZERO3,
     "unit/v1/half_precision/test_keep_in_fp32_peft.py": PEFT,
     "unit/v1/half_precision/test_keep_in_fp32_param_offload.py": PARAM_OFFLOAD,
@@ -52,6 +53,7 @@ MIXED = [
     "unit/v1/half_precision/test_keep_in_fp32_features.py",
     "unit/v1/half_precision/test_keep_in_fp32_stages.py",
     "unit/checkpoint/test_keep_in_fp32_checkpoints.py",
+    "unit/checkpoint/test_keep_in_fp32_resume.py",
     "unit/v1/half_precision/test_keep_in_fp32_trainer.py",
 ]
 

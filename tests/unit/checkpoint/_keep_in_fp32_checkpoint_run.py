@@ -9,8 +9,9 @@ As a module, it gives the tests ``SinkNet`` and its helpers. As a script, run on
 ``SinkNet`` for two bf16 steps under ZeRO-3 (``--stage``: or another stage; ``--bf16-optimizer``: BF16_Optimizer at
 stage 1; ``--dtype fp16``) with whatever ``import deepspeed`` finds (the tests run it with pristine DeepSpeed 0.19.8
 on PYTHONPATH, or with the DeepSpeed under test), saves a checkpoint in ``OUT/ckpt`` and, on rank 0,
-``OUT/reference.pt``: per parameter its fp32 master, exp_avg and exp_avg_sq, its gathered value and dtype, and the
-DeepSpeed it ran with. With ``--universal``, rank 0 converts the checkpoint with ds_to_universal as well.
+``OUT/reference.pt``: per parameter its fp32 master, exp_avg and exp_avg_sq, its gathered value and dtype, the whole
+state (_keep_in_fp32_whole_state.py) and the DeepSpeed it ran with. With ``--universal``, rank 0 converts the
+checkpoint with ds_to_universal as well.
 
 The values are chosen so that bf16 shows: the sinks start at 8.0 + k * 1e-4, which bf16 rounds to 8.0 (its values are
 0.0625 apart there), and Adam moves them by about lr = 1e-5 a step.
@@ -70,11 +71,18 @@ class SinkNet(torch.nn.Module):
         return self.out(h).float().pow(2).mean()
 
 
-def config(keep="auto", load_universal=False, stage=3, bf16_optimizer=False, dtype="bf16", torch_adam=False):
+def config(keep="auto",
+           load_universal=False,
+           stage=3,
+           bf16_optimizer=False,
+           dtype="bf16",
+           torch_adam=False,
+           round_robin=False):
     """ZeRO-3 (or ``stage``) bf16 (or ``dtype``) with Adam; ``keep`` is data_types.keep_in_fp32_modules ("auto": no
     data_types section). Stage 0 takes the default Adam, FusedAdam, which the engine wraps in FP16_Optimizer (for
     fp16 and bf16), or with ``torch_adam`` torch's Adam, which it wraps in FP16_UnfusedOptimizer; ``bf16_optimizer``
-    accumulates gradients in fp32 at stage 1, for which it takes BF16_Optimizer."""
+    accumulates gradients in fp32 at stage 1, for which it takes BF16_Optimizer; ``round_robin``: ZeRO-1/2's
+    round_robin_gradients."""
     result = {
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": 1000,
@@ -103,6 +111,8 @@ def config(keep="auto", load_universal=False, stage=3, bf16_optimizer=False, dty
         result.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
     if load_universal:
         result["checkpoint"] = {"load_universal": True}
+    if round_robin:
+        result["zero_optimization"]["round_robin_gradients"] = True
     return result
 
 
@@ -221,6 +231,7 @@ def main():
     parser.add_argument("--bf16-optimizer", action="store_true", help="at stage 1: BF16_Optimizer")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--torch-adam", action="store_true", help="at stage 0: torch's Adam, FP16_UnfusedOptimizer")
+    parser.add_argument("--round-robin", action="store_true", help="at stages 1 and 2: round_robin_gradients")
     args = parser.parse_args()
 
     import deepspeed
@@ -235,14 +246,19 @@ def main():
                        stage=args.stage,
                        bf16_optimizer=args.bf16_optimizer,
                        dtype=args.dtype,
-                       torch_adam=args.torch_adam)
+                       torch_adam=args.torch_adam,
+                       round_robin=args.round_robin)
     model_engine = engine(ds_config, frozen=[n for n in args.frozen.split(",") if n])
     losses = train(model_engine)
     ckpt = os.path.join(args.out, "ckpt")
     # ds_to_universal reads ZeRO-1/2 checkpoints that say they can be converted
     client_state = {UNIVERSAL_CHECKPOINT_INFO: {}} if 0 < args.stage < 3 else {}
     model_engine.save_checkpoint(ckpt, tag=TAG, client_state=client_state)
+    # the whole state, per parameter name (the tests directory, unit/'s parent, is this script's grandparent)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from unit.checkpoint._keep_in_fp32_whole_state import whole_state
     reference = {
+        "whole_state": whole_state(model_engine),
         "params": snapshot(model_engine),
         "buffers": {
             name: buf.detach().cpu().clone()

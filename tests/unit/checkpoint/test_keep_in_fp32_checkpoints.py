@@ -33,6 +33,8 @@ import pytest
 import torch
 
 import deepspeed
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states, check_whole_state,
+                                                       whole_state)
 from unit.common import DistributedTest
 from unit.checkpoint._keep_in_fp32_checkpoint_run import (NORM_VALUES, SINK_VALUES, STEPS, TAG, config, engine,
                                                           gathered, snapshot, to_universal, train)
@@ -123,6 +125,18 @@ def pristine_save_zero12(request, tmp_path_factory):
     return str(out), request.param
 
 
+@pytest.fixture(scope="module")
+def pristine_save_round_robin(tmp_path_factory):
+    """A ZeRO-2 checkpoint that pristine DeepSpeed 0.19.8 saved at world size 2 with round_robin_gradients (nothing
+    kept): its flat groups hold the parameters in round-robin order, as its param_shapes list them, and its
+    param_slice_mappings place them in their original order."""
+    tree = _pristine_tree()
+    out = tmp_path_factory.mktemp("pristine_save_round_robin")
+    reference = _save_in_subprocess(out, 2, "--stage", "2", "--round-robin", pristine_tree=tree)
+    assert reference["deepspeed_version"].strip() == "0.19.8", reference["deepspeed_version"]
+    return str(out)
+
+
 # the other optimizers whose flat masters 0.19.8 lays out per param group: (config(), the saving script's options)
 FLAT_MASTERS = {
     "bf16_optimizer": (dict(stage=1, bf16_optimizer=True), ["--stage", "1", "--bf16-optimizer"]),
@@ -134,8 +148,7 @@ FLAT_MASTERS = {
 
 @pytest.fixture(scope="module",
                 params=[
-                    "bf16_optimizer",
-                    "zero0_torch_adam",
+                    "bf16_optimizer", "zero0_torch_adam",
                     pytest.param("zero0_bf16", marks=pytest.mark.nightly),
                     pytest.param("zero0_fp16", marks=pytest.mark.nightly)
                 ])
@@ -182,9 +195,14 @@ def _reference(save_dir):
     return torch.load(os.path.join(save_dir, "reference.pt"), weights_only=False)
 
 
-def _check_loaded(model_engine, saved, kept):
-    """Every master and moment as ``saved``; the parameters in ``kept`` held in fp32 at their master exactly, the
-    others in bf16 at it rounded; frozen parameters at their saved value (rounded to bf16 unless kept)."""
+def _check_loaded(model_engine, reference, kept):
+    """The whole state as the saving run's (``reference``: its reference.pt), every optimizer state of every
+    parameter, ``step`` included, with no state tensor shared between masters; the parameters in ``kept`` held in
+    fp32 at their master exactly, the others in bf16 at it rounded; frozen parameters at their saved value (rounded
+    to bf16 unless kept)."""
+    check_whole_state(whole_state(model_engine), reference["whole_state"])
+    check_masters_own_their_states(model_engine)
+    saved = reference["params"]
     restored = snapshot(model_engine)
     assert set(restored) == set(saved)
     half = torch.float16 if model_engine.fp16_enabled() else torch.bfloat16
@@ -207,10 +225,12 @@ def _check_loaded(model_engine, saved, kept):
 
 
 def _check_training_continues(model_engine, kept):
-    """Two more steps: finite losses; the kept parameters take updates far below bf16's resolution, and the forward
-    pass sees their masters exactly."""
+    """Two more steps: finite losses; each master is what its optimizer makes of the loaded state (Continuation); the
+    kept parameters take updates far below bf16's resolution, and the forward pass sees their masters exactly."""
     before = snapshot(model_engine)
+    continuation = Continuation(model_engine)
     losses = train(model_engine, first_step=STEPS)
+    continuation.check(steps=STEPS)
     assert all(torch.isfinite(torch.tensor(losses))), losses
     after = snapshot(model_engine)
     for name in kept:
@@ -243,7 +263,7 @@ class TestUpgradeFromPristine(DistributedTest):
         load_path, _ = loaded.load_checkpoint(os.path.join(pristine_save, "ckpt"))
         assert load_path is not None
         assert loaded.global_steps == STEPS
-        _check_loaded(loaded, saved["params"], KEPT_AUTO)
+        _check_loaded(loaded, saved, KEPT_AUTO)
         assert loaded.module.bias_buf.dtype == torch.float32
         assert torch.equal(loaded.module.bias_buf.cpu(), saved["buffers"]["bias_buf"])
         _check_training_continues(loaded, KEPT_AUTO)
@@ -256,7 +276,7 @@ def _resume(run_config, ckpt, saved):
     load_path, _ = loaded.load_checkpoint(ckpt)
     assert load_path is not None
     assert loaded.global_steps == STEPS
-    _check_loaded(loaded, saved["params"], KEPT_AUTO)
+    _check_loaded(loaded, saved, KEPT_AUTO)
     return loaded, load_path
 
 
@@ -289,6 +309,30 @@ class TestUpgradeFromPristineZero2(DistributedTest):
         _check_training_continues(loaded, KEPT_AUTO)
 
 
+class TestUpgradeFromPristineRoundRobin(DistributedTest):
+    """A ZeRO-2 checkpoint that pristine DeepSpeed 0.19.8 saved with round_robin_gradients resumes keeping the
+    model's list (the default), every state exact: its flat groups are read as its param_shapes lay them out, not as
+    its param_slice_mappings say (0.19.8 wrote those in the parameters' original order). Its own accessors read the
+    same wrong slices, so the truth is the same checkpoint resumed keeping nothing (0.19.8's layout, and the fixed
+    links of pull request 2), whose masters round to the values pristine's parameters held."""
+    world_size = 2
+
+    def test_pristine_checkpoint_loads_with_optimizer_states(self, pristine_save_round_robin):
+        saved = _reference(pristine_save_round_robin)
+        ckpt = os.path.join(pristine_save_round_robin, "ckpt")
+        same_layout = engine(config(keep=[], stage=2, round_robin=True))
+        assert same_layout.load_checkpoint(ckpt)[0] is not None
+        truth = whole_state(same_layout)
+        for name, entry in truth["params"].items():
+            assert torch.equal(entry["states"]["master"].bfloat16(), saved["params"][name]["value"]), name
+
+        loaded = engine(config(stage=2, round_robin=True))  # "auto": the sinks and the norm in fp32
+        assert loaded.load_checkpoint(ckpt)[0] is not None
+        check_whole_state(whole_state(loaded), truth)
+        check_masters_own_their_states(loaded)
+        _check_training_continues(loaded, KEPT_AUTO)
+
+
 class TestUpgradeFromPristineFlatMasters(DistributedTest):
     """A checkpoint of the BF16 optimizer (and of FP16_Optimizer at stage 0, bf16 and fp16) saved by pristine
     DeepSpeed 0.19.8 holds one flat fp32 master per param group; a run that keeps the model's list holds the kept
@@ -305,7 +349,10 @@ class TestUpgradeFromPristineFlatMasters(DistributedTest):
 
         # "auto": the sinks and the norm in fp32
         loaded, _ = _resume(config(**FLAT_MASTERS[kind][0]), os.path.join(save_dir, "ckpt"), saved)
-        want = {"bf16_optimizer": "BF16_Optimizer", "zero0_torch_adam": "FP16_UnfusedOptimizer"}.get(kind, "FP16_Optimizer")
+        want = {
+            "bf16_optimizer": "BF16_Optimizer",
+            "zero0_torch_adam": "FP16_UnfusedOptimizer"
+        }.get(kind, "FP16_Optimizer")
         assert type(loaded.optimizer).__name__ == want
         # Adam's step is carried
         steps = {int(state["step"]) for state in loaded.optimizer.optimizer.state.values()}
@@ -325,7 +372,7 @@ def _check_universal(save_dir):
         try:
             assert load_path is not None and f"{TAG}_universal" in load_path, load_path
             assert model_engine.global_steps == STEPS
-            _check_loaded(model_engine, saved["params"], kept)
+            _check_loaded(model_engine, saved, kept)
             _check_training_continues(model_engine, kept)
         except AssertionError as e:
             raise AssertionError(f"saved at world size {saved['world_size']}, loaded at "
@@ -369,7 +416,7 @@ class TestUniversalResumeReadsOwnShare(DistributedTest):
         assert not objects, f"the load sent Python objects between ranks: {objects}"
         moved = sum(nbytes for _, nbytes in calls)
         assert moved <= param_bytes + 64 * len(calls), f"{moved} bytes moved between ranks: {calls}"
-        _check_loaded(model_engine, saved["params"], KEPT_AUTO)
+        _check_loaded(model_engine, saved, KEPT_AUTO)
         _check_training_continues(model_engine, KEPT_AUTO)
 
 

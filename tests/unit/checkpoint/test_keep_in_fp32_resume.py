@@ -17,7 +17,7 @@ the loaded count plus two. With the same list the resumed run also equals the ru
 import pytest
 import torch
 
-from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states,
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, base_optimizer, check_masters_own_their_states,
                                                        check_whole_state, whole_state)
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import _config, _engine, _train
@@ -68,8 +68,16 @@ ALL_STAGES = list(STAGES) + ["zero3"]
 def _resume_config(stage, keep, optimizer):
     config = _config(keep=keep) if stage == "zero3" else _stage_config(stage, keep=keep)
     config["optimizer"] = OPTIMIZERS[optimizer]
+    config["zero_allow_untested_optimizer"] = True  # torch's SGD under ZeRO
     # a scheduler: its state and the initial_lr it adds to each param group are part of what a resume restores
-    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-5, "warmup_num_steps": 10}}
+    config["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": 0,
+            "warmup_max_lr": 1e-5,
+            "warmup_num_steps": 10
+        }
+    }
     return config
 
 
@@ -114,5 +122,9 @@ class TestResumeLosesNothing(DistributedTest):
         continuation.check(steps=2)
         check_masters_own_their_states(loaded)
         if saved_keep == loaded_keep:  # the resumed run is the one that never stopped
-            assert _train(engine, config, steps=2) == losses
-            check_whole_state(whole_state(loaded), whole_state(engine), "two more steps")
+            # (but for FusedAdam's CPU build, whose bias corrections follow the process's previous call: the last bits
+            # of its masters, and so of the losses, may differ; see Continuation.check)
+            fused_adam = type(base_optimizer(loaded)).__name__ == "FusedAdam"
+            uninterrupted = _train(engine, config, steps=2)
+            assert uninterrupted == losses or fused_adam and uninterrupted == pytest.approx(losses, rel=1e-5)
+            check_whole_state(whole_state(loaded), whole_state(engine), "two more steps", fused_adam)

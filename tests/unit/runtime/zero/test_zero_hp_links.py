@@ -10,6 +10,8 @@ safe_get_full_fp32_param, safe_get_full_optimizer_state and a checkpoint's param
   and the BF16 optimizer;
 - from a universal checkpoint, also on a rank that holds only padding of a param group.
 
+ZeRO-3 gives each sub-group its own step from a universal checkpoint.
+
 And zero_to_fp32 reads the BF16 optimizer's checkpoints (ZeRO-1's flat fp32 partitions, without a zero_stage).
 """
 
@@ -76,7 +78,11 @@ def _engine(model_cls=Net, bf16_optimizer=False, load_universal=False, **zero):
     model = model_cls()
     params = model.parameters()
     if model_cls is ScaledNet:
-        params = [{"params": [p for name, p in model.named_parameters() if name != "scale"]}, {"params": [model.scale]}]
+        params = [{
+            "params": [p for name, p in model.named_parameters() if name != "scale"]
+        }, {
+            "params": [model.scale]
+        }]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     return engine
 
@@ -148,6 +154,28 @@ class TestUniversalLoadOfPaddingOnlyPartition(DistributedTest):
         for name, param in engine.module.named_parameters():
             assert torch.equal(safe_get_full_fp32_param(param), saved[name]), name
         _train(engine, 1)
+
+
+class TestZeRO3UniversalStepPerSubGroup(DistributedTest):
+    """A ZeRO-3 universal checkpoint gives each sub-group its own step: torch's Adam advances it in place once per
+    sub-group's step, so one shared step counted every sub-group each step."""
+    world_size = 2
+
+    def test_each_sub_group_counts_its_steps(self, tmp_path):
+        saver = _engine(stage=3, sub_group_size=20)
+        _train(saver, 2)
+        saver.save_checkpoint(str(tmp_path), tag="saved")
+        if dist.get_rank() == 0:
+            to_universal(str(tmp_path), tag="saved")
+        dist.barrier()
+        engine = _engine(stage=3, sub_group_size=20, load_universal=True)
+        engine.load_checkpoint(str(tmp_path))
+        masters = engine.optimizer.fp32_partitioned_groups_flat
+        assert len(masters) > 1, "one sub-group: nothing to share"
+        steps = [engine.optimizer.optimizer.state[master]["step"] for master in masters]
+        assert len({id(step) for step in steps}) == len(steps), "sub-groups share their step"
+        _train(engine, 1)
+        assert [int(step) for step in steps] == [3] * len(steps)
 
 
 class TestZeroToFp32ReadsBF16Optimizer(DistributedTest):

@@ -28,8 +28,8 @@ from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SLICE_MAP
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.checkpoint._keep_in_fp32_checkpoint_run import to_universal
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, SinkNetWithExtra, _build,
-                                                               _engine, _gathered, _listed_names, _sinks, _train)
+from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, SinkNetWithExtra, _build, _engine,
+                                                              _gathered, _listed_names, _sinks, _train)
 from unit.v1.half_precision.test_keep_in_fp32_stages import (_backend_spy, _check_dtypes, _check_kept_and_updated,
                                                              _masters, _stage_config, _stage_engine)
 

@@ -30,6 +30,7 @@ import inspect
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 
 COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
@@ -104,13 +105,20 @@ def _effective_state(optimizer, master):
 
 
 def _full_tensor_state(engine, param, key, flat_state, offset):
-    """The whole of ``param``'s tensor state ``key`` (a collective under ZeRO)."""
+    """The whole of ``param``'s tensor state ``key`` (None: its fp32 master), from ``flat_state``, this rank's flat
+    tensor of it that holds the parameter at ``offset`` (None where this rank holds none of it). A collective under
+    ZeRO."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    if key is None:
-        value = safe_get_full_fp32_param(param)
-    else:
-        value = safe_get_full_optimizer_state(param, key)
-    if value is not None:
+    if hasattr(param, "_hp_mapping"):  # ZeRO-1/2, the BF16 optimizer: the fragments of the ranks, summed
+        mapping = param._hp_mapping
+        buffer = torch.zeros(param.numel(), dtype=torch.float32, device=get_accelerator().current_device_name())
+        if mapping is not None and flat_state is not None:
+            lp, hp = mapping.lp_fragment_address, mapping.get_hp_fragment_address()
+            buffer.narrow(0, lp.start, lp.numel).copy_(flat_state.reshape(-1).narrow(0, hp.start, hp.numel))
+        dist.all_reduce(buffer, group=param._dp_group)
+        return buffer.view_as(param).cpu()
+    value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
+    if value is not None:  # ZeRO-3
         return value.detach().cpu().clone()
     return flat_state.reshape(-1).narrow(0, offset, param.numel()).view_as(param).detach().cpu().clone()
 
@@ -202,6 +210,16 @@ def check_masters_own_their_states(engine):
                 seen[ptr] = index
 
 
+def _same_bits(a, b):
+    """``a`` and ``b`` hold the same bits (NaN included: a ZeRO-3 partition's padding may hold uninitialized memory,
+    which its optimizer steps like the rest)."""
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().reshape(-1).contiguous().view(torch.uint8),
+                       b.detach().reshape(-1).contiguous().view(torch.uint8))
+
+
 class Continuation:
     """Made right after a load: records each master with its loaded value and state, and each call of the base
     optimizer's ``step`` during the next steps: per param group, its hyperparameters then (a scheduler sets the lr)
@@ -277,9 +295,9 @@ class Continuation:
                 # its CPU build keeps one C++ Adam per process, whose bias corrections follow the previous call
                 # (incremental powers of the betas, else std::pow): a replay in the same process can differ in the
                 # last bits; a wrong step changes them by far more
-                torch.testing.assert_close(replayed, master.detach(), rtol=1e-6, atol=1e-9, msg=message)
+                torch.testing.assert_close(replayed, master.detach(), rtol=1e-6, atol=1e-9, equal_nan=True, msg=message)
             else:
-                assert torch.equal(replayed, master.detach()), message
+                assert _same_bits(replayed, master), message
             for name, value in states[key].items():
-                assert torch.equal(torch.as_tensor(value), torch.as_tensor(now[name])), \
+                assert _same_bits(value, now[name]), \
                     f"master {index}: {name} is not what its optimizer makes of the loaded state in {steps} steps"

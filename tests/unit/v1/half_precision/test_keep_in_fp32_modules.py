@@ -24,6 +24,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import (logger, safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                              safe_set_full_fp32_param)
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states,
+                                                       check_whole_state, whole_state)
 from unit.common import DistributedTest
 
 HIDDEN = 9  # odd, so that every partition is padded
@@ -513,17 +515,23 @@ class TestCheckpoint(DistributedTest):
             }
 
         saved = snapshot(engine)
+        saved_state = whole_state(engine)
         torch.manual_seed(7)
         loaded = _engine(config)
         loaded.load_checkpoint(str(tmp_path))
+        check_whole_state(whole_state(loaded), saved_state)
+        check_masters_own_their_states(loaded)
         restored = snapshot(loaded)
         for name in names:
             for what, a, b in zip(("param", "master", "exp_avg", "exp_avg_sq"), saved[name], restored[name]):
                 assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {what} differs after the load"
         _check_dtypes(loaded.module, _listed_names(loaded.module), torch.bfloat16)
 
-        # both continue the same way
+        # both continue the same way, as the optimizer makes it of the loaded state
+        continuation = Continuation(loaded)
         assert _train(engine, config, steps=2) == _train(loaded, config, steps=2)
+        continuation.check(steps=2)
+        check_whole_state(whole_state(loaded), whole_state(engine), "two more steps")
         after, after_loaded = snapshot(engine), snapshot(loaded)
         for name in names:
             assert all(torch.equal(a, b) for a, b in zip(after[name], after_loaded[name])), name
@@ -550,11 +558,14 @@ class TestCheckpoint(DistributedTest):
             name: [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
             for name, p in engine.module.named_parameters()
         }
+        saved_state = whole_state(engine)
 
         config = _config(keep=loaded_keep)
         torch.manual_seed(7)
         loaded = _engine(config)
         loaded.load_checkpoint(str(tmp_path))
+        check_whole_state(whole_state(loaded), saved_state)
+        check_masters_own_their_states(loaded)
         for name, param in loaded.module.named_parameters():
             restored = [safe_get_full_fp32_param(param)] + [safe_get_full_optimizer_state(param, k) for k in
                                                             ("exp_avg", "exp_avg_sq")]
@@ -563,7 +574,9 @@ class TestCheckpoint(DistributedTest):
             value = _gathered(param)
             assert torch.equal(value, saved[name][0].to(value.dtype)), name
         assert loaded.global_steps == engine.global_steps
+        continuation = Continuation(loaded)
         losses = _train(loaded, config, steps=2)
+        continuation.check(steps=2)
         assert all(torch.isfinite(torch.tensor(losses)))
         # each sub-group has its own Adam step, which went on from the saved one
         optimizer = loaded.optimizer
@@ -577,7 +590,7 @@ class TestCheckpoint(DistributedTest):
         engine.save_checkpoint(str(tmp_path))
         torch.manual_seed(7)
         loaded = _engine(config, SinkNetWithExtra)
-        with pytest.raises(RuntimeError, match=r"other parameters than this run: extra \(saved no elements"):
+        with pytest.raises(RuntimeError, match=r"holds no fp32 master of \['extra'\]: it was saved from another model"):
             loaded.load_checkpoint(str(tmp_path), load_module_strict=False)
 
 

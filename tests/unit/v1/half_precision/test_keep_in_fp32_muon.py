@@ -11,6 +11,7 @@ import torch
 
 import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param
+from unit.checkpoint._keep_in_fp32_whole_state import check_masters_own_their_states, check_whole_state, whole_state
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (HIDDEN, LISTED, SinkNet, _build, _config,
                                                               _check_kept_and_updated, _gathered, _train)
@@ -151,8 +152,10 @@ class TestMuonCheckpoint(DistributedTest):
         _train(engine, config, steps=2)
         engine.save_checkpoint(str(tmp_path))
         saved = _values(engine.module)
+        saved_state = whole_state(engine)
         losses = _train(engine, config, steps=2)
         after = _values(engine.module)
+        after_state = whole_state(engine)
         del engine
 
         torch.manual_seed(7)
@@ -161,6 +164,11 @@ class TestMuonCheckpoint(DistributedTest):
         _check_dtypes(loaded.module)
         for name, value in _values(loaded.module).items():
             assert value.dtype == saved[name].dtype and torch.equal(value, saved[name]), f"{name} after the load"
+        check_whole_state(whole_state(loaded), saved_state)
+        check_masters_own_their_states(loaded)
+        # ZeRO applies Muon's momentum (momentum_buffer in the optimizer's state) to the gradient before the step, so
+        # a replay of the step alone (Continuation) cannot reproduce it: the run that never stopped is the reference
         assert _train(loaded, config, steps=2) == losses
+        check_whole_state(whole_state(loaded), after_state, "two more steps")
         for name, value in _values(loaded.module).items():
             assert torch.equal(value, after[name]), f"{name} differs 2 steps after the load"

@@ -16,6 +16,8 @@ import deepspeed
 from deepspeed.ops.op_builder import AsyncIOBuilder
 from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states,
+                                                       check_whole_state, whole_state)
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (HIDDEN, SinkNet, _check_kept_and_updated,
                                                               _config, _engine, _gathered, _listed_names, _train)
@@ -127,8 +129,10 @@ class TestNvmeCheckpoint(DistributedTest):
         _train(engine, config, steps=2)
         engine.save_checkpoint(str(tmp_path / "ckpt"))
         saved = {name: _master_and_moments(p) for name, p in engine.module.named_parameters()}
+        saved_state = whole_state(engine)
         losses = _train(engine, config, steps=2)
         after = {name: _gathered(p) for name, p in engine.module.named_parameters()}
+        after_state = whole_state(engine)
         del engine
 
         torch.manual_seed(7)
@@ -142,7 +146,10 @@ class TestNvmeCheckpoint(DistributedTest):
                 assert torch.equal(a, b), f"{name}: {what} differs after the load"
             value = _gathered(param)
             assert torch.equal(value, saved[name][0].to(value.dtype)), name
+        check_whole_state(whole_state(loaded), saved_state)
+        check_masters_own_their_states(loaded)
         assert _train(loaded, loaded_config, steps=2) == losses
+        check_whole_state(whole_state(loaded), after_state, "two more steps")
         for name, param in loaded.module.named_parameters():
             assert torch.equal(_gathered(param), after[name]), name
         _check_kept_and_updated(loaded)

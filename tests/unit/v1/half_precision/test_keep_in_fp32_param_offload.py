@@ -17,6 +17,8 @@ import torch
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states,
+                                                       check_whole_state, whole_state)
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, _batch,
                                                               _check_kept_and_updated, _check_dtypes, _config, _engine,
@@ -170,6 +172,7 @@ class TestOffloadedCheckpoints(DistributedTest):
         _train(engine, saved_config, steps=2)
         engine.save_checkpoint(str(tmp_path))
         saved = {name: _master_and_moments(p) for name, p in engine.module.named_parameters()}
+        saved_state = whole_state(engine)
 
         config = _offload_config(keep=loaded_keep)
         torch.manual_seed(7)
@@ -182,7 +185,11 @@ class TestOffloadedCheckpoints(DistributedTest):
                 assert torch.equal(a, b), f"{name}: {what} differs after the load"
             value = _gathered(param)
             assert torch.equal(value, saved[name][0].to(value.dtype)), name
+        check_whole_state(whole_state(loaded), saved_state)
+        check_masters_own_their_states(loaded)
+        continuation = Continuation(loaded)
         losses = _train(loaded, config, steps=2)
+        continuation.check(steps=2)
         assert all(torch.isfinite(torch.tensor(losses)))
         optimizer = loaded.optimizer
         steps = [int(optimizer.optimizer.state[flat]["step"]) for flat in optimizer.fp32_partitioned_groups_flat]

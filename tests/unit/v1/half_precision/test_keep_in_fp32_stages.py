@@ -21,6 +21,8 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from unit import tiny_hf_models
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states,
+                                                       check_whole_state, whole_state)
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (HIDDEN, SINK_VALUES, Norm, _batch, _config, _engine,
                                                               _gathered, _listed_names, _sinks, _train)
@@ -560,16 +562,22 @@ class TestStagesCheckpoint(DistributedTest):
         _train(engine, config, steps=2)
         engine.save_checkpoint(str(tmp_path))
         saved = _snapshot(engine)
+        saved_state = whole_state(engine)
 
         torch.manual_seed(7)
         loaded = _stage_engine(stage, config)
         loaded.load_checkpoint(str(tmp_path))
         _check_same(saved, _snapshot(loaded))
+        check_whole_state(whole_state(loaded), saved_state)
+        check_masters_own_their_states(loaded)
         _check_dtypes(loaded.module, _listed_names(loaded.module), torch.bfloat16)
 
-        # both continue the same way
+        # both continue the same way, as the optimizer makes it of the loaded state
+        continuation = Continuation(loaded)
         assert _train(engine, config, steps=2) == _train(loaded, config, steps=2)
+        continuation.check(steps=2)
         _check_same(_snapshot(engine), _snapshot(loaded))
+        check_whole_state(whole_state(loaded), whole_state(engine), "two more steps")
         _check_kept_and_updated(loaded)
 
     @pytest.mark.parametrize("stage", ZERO_CHECKPOINTS)

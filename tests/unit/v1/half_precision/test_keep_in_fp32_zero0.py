@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch._utils import _unflatten_dense_tensors
 
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states,
+                                                       check_whole_state, whole_state)
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, _batch, _collective_dtypes, _listed_names,
                                                               _sinks, _train)
@@ -221,13 +223,18 @@ class TestFusedAdamWithoutZero(DistributedTest):
         _train(engine, config, steps=2)
         engine.save_checkpoint(str(tmp_path))
         saved = _fused_snapshot(engine)
+        saved_state = whole_state(engine)
 
         torch.manual_seed(7)
         loaded = _stage_engine("zero0", config)
         loaded.load_checkpoint(str(tmp_path))
         _check_fused_same(saved, _fused_snapshot(loaded))
+        check_whole_state(whole_state(loaded), saved_state)
+        check_masters_own_their_states(loaded)
 
+        continuation = Continuation(loaded)
         assert _train(engine, config, steps=2) == _train(loaded, config, steps=2)
+        continuation.check(steps=2)
         _check_fused_same(_fused_snapshot(engine), _fused_snapshot(loaded))
         _check_fused_kept(loaded, torch.bfloat16 if dtype == "bf16" else torch.float16)
         _check_kept_and_updated(loaded)
@@ -242,9 +249,12 @@ class TestFusedAdamWithoutZero(DistributedTest):
         _train(engine, config, steps=2)
         engine.save_checkpoint(str(tmp_path))
         saved, saved_steps = _fused_param_states(engine)
+        saved_state = whole_state(engine)
         config = _fused_config("bf16", keep=loaded_keep)
         loaded = _stage_engine("zero0", config)
         loaded.load_checkpoint(str(tmp_path))
+        check_whole_state(whole_state(loaded), saved_state)
+        check_masters_own_their_states(loaded)
         restored, steps = _fused_param_states(loaded)
         # FusedAdam counts a param group's steps in its last flat master's state
         assert steps == {max(saved_steps)}, (steps, saved_steps)
@@ -256,7 +266,9 @@ class TestFusedAdamWithoutZero(DistributedTest):
             assert torch.equal(param.data, restored[name]["master"].to(param.dtype)), f"{name} is not its master"
         if loaded_keep == "auto":
             _check_fused_kept(loaded, torch.bfloat16)
+        continuation = Continuation(loaded)
         assert all(torch.isfinite(torch.tensor(_train(loaded, config, steps=1))))
+        continuation.check(steps=1)
 
 
 class TestBf16OptimizerCrossLayout(DistributedTest):
@@ -273,10 +285,13 @@ class TestBf16OptimizerCrossLayout(DistributedTest):
         _train(engine, config, steps=2)
         engine.save_checkpoint(str(tmp_path))
         saved = _snapshot(engine)
+        saved_state = whole_state(engine)
         config = _stage_config("zero1_bf16_optimizer", keep=loaded_keep)
         loaded = _stage_engine("zero1_bf16_optimizer", config)
         assert type(loaded.optimizer).__name__ == "BF16_Optimizer"
         loaded.load_checkpoint(str(tmp_path))
+        check_whole_state(whole_state(loaded), saved_state)
+        check_masters_own_their_states(loaded)
         restored = _snapshot(loaded)
         assert restored.keys() == saved.keys()
         for name, (value, *states) in restored.items():
@@ -284,4 +299,6 @@ class TestBf16OptimizerCrossLayout(DistributedTest):
                 assert x.dtype == torch.float32 and torch.equal(x, y), f"{name}: {what} differs"
             assert torch.equal(value, states[0].to(value.dtype)), f"{name} is not its master"
         assert {int(state["step"]) for state in loaded.optimizer.optimizer.state.values()} == {2}
+        continuation = Continuation(loaded)
         assert all(torch.isfinite(torch.tensor(_train(loaded, config, steps=1))))
+        continuation.check(steps=1)

@@ -25,8 +25,9 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SLICE_MAPPINGS, UNIVERSAL_CHECKPOINT_INFO
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.checkpoint._keep_in_fp32_checkpoint_run import to_universal
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states,
+                                                       check_whole_state, whole_state)
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (SINK_VALUES, SinkNet, SinkNetWithExtra, _build, _engine,
                                                               _gathered, _listed_names, _sinks, _train)
@@ -38,41 +39,38 @@ TAG = "global_step2"
 STAGES = ["zero2", pytest.param("zero1", marks=pytest.mark.nightly)]
 
 
-def _save(stage, keep, save_dir, optimizer_states=False):
+def _save(stage, keep, save_dir):
     """Train two steps with data_types.keep_in_fp32_modules ``keep`` and save a checkpoint that ds_to_universal can
-    convert; returns every parameter's fp32 master (with ``optimizer_states``: _optimizer_states)."""
+    convert; returns the whole state (_keep_in_fp32_whole_state.py)."""
     config = _stage_config(stage, keep=keep)
     engine = _stage_engine(stage, config)
     _train(engine, config, steps=2)
     engine.save_checkpoint(save_dir, tag=TAG, client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
-    return _optimizer_states(engine) if optimizer_states else _masters(engine)
+    return whole_state(engine)
 
 
-def _optimizer_states(engine):
-    """Each trainable parameter's fp32 master, exp_avg and exp_avg_sq."""
-    return {
-        name: (safe_get_full_fp32_param(param), safe_get_full_optimizer_state(param, "exp_avg"),
-               safe_get_full_optimizer_state(param, "exp_avg_sq"))
-        for name, param in engine.module.named_parameters() if param.requires_grad
-    }
+def _check_loaded(engine, config, saved):
+    """The whole state as ``saved``, each parameter at its master (rounded unless kept), and two more steps are what
+    the optimizer makes of the loaded state and train the kept parameters in fp32."""
+    check_whole_state(whole_state(engine), saved)
+    check_masters_own_their_states(engine)
+    for name, param in engine.module.named_parameters():
+        master = saved["params"][name]["states"]["master"]
+        assert torch.equal(_gathered(param), master.to(param.dtype)), f"{name} is not its master"
+    continuation = Continuation(engine)
+    _train(engine, config, steps=2)
+    continuation.check(steps=2)
+    if _sinks(engine.module).dtype == torch.float32:
+        _check_kept_and_updated(engine)
 
 
 def _check_loaded_exactly(stage, keep, save_dir, saved):
-    """Load ``save_dir`` keeping ``keep``: every master and Adam moment as ``saved``, each parameter at its master
-    (rounded unless kept), and two more steps train the kept parameters in fp32."""
+    """Load ``save_dir`` keeping ``keep`` and check it (_check_loaded)."""
     config = _stage_config(stage, keep=keep)
     engine = _stage_engine(stage, config)
     load_path, _ = engine.load_checkpoint(save_dir)
     assert load_path is not None
-    loaded = _optimizer_states(engine)
-    assert set(loaded) == set(saved)
-    for name, param in engine.module.named_parameters():
-        for what, got, want in zip(("master", "exp_avg", "exp_avg_sq"), loaded[name], saved[name]):
-            assert torch.equal(got, want), f"{name}: the {what} differs after the load"
-        assert torch.equal(_gathered(param), saved[name][0].to(param.dtype)), f"{name} is not its master"
-    _train(engine, config, steps=2)
-    if _sinks(engine.module).dtype == torch.float32:
-        _check_kept_and_updated(engine)
+    _check_loaded(engine, config, saved)
 
 
 class TestCheckpointOfOtherLayout(DistributedTest):
@@ -84,14 +82,14 @@ class TestCheckpointOfOtherLayout(DistributedTest):
         saves = {"auto": str(tmp_path / "auto"), "none": str(tmp_path / "none")}
         saved = {}
         for keep, name in (("auto", "auto"), ([], "none")):
-            saved[name] = _save(stage, keep, saves[name], optimizer_states=True)
+            saved[name] = _save(stage, keep, saves[name])
         for keep, other in (("auto", "none"), ([], "auto")):
             _check_loaded_exactly(stage, keep, saves[other], saved[other])
 
     def test_other_params_kept_in_as_many_groups_load_per_param(self, tmp_path):
         # ["sink"] and ["norm"] each keep one group of each param group: the parameters in it tell them apart
         save_dir = str(tmp_path / "sink")
-        saved = _save("zero2", ["sink"], save_dir, optimizer_states=True)
+        saved = _save("zero2", ["sink"], save_dir)
         _check_loaded_exactly("zero2", ["norm"], save_dir, saved)
 
     @pytest.mark.parametrize("saved_keep", [[], "auto"], ids=["saved_keeping_nothing", "saved_keeping"])
@@ -111,15 +109,9 @@ class TestCheckpointOfOtherLayout(DistributedTest):
         load_path, _ = engine.load_checkpoint(save_dir)
         assert load_path is not None and f"{TAG}_universal" in load_path, load_path
         _check_dtypes(engine.module, _listed_names(engine.module), torch.bfloat16)
-        masters = _masters(engine)
-        for name, param in engine.module.named_parameters():
-            assert torch.equal(masters[name], saved[name]), f"{name}: the master differs after the load"
-            assert torch.equal(_gathered(param), saved[name].to(param.dtype)), f"{name} is not its master"
         sinks = _gathered(_sinks(engine.module))
         assert not torch.equal(sinks, sinks.bfloat16().float()), "the loaded sinks are on the bf16 grid"
-
-        _train(engine, config, steps=2)
-        _check_kept_and_updated(engine)
+        _check_loaded(engine, config, saved)
         after = _gathered(_sinks(engine.module))
         assert not torch.equal(after, sinks) and torch.equal(after.bfloat16(), sinks.bfloat16())
 
@@ -141,7 +133,7 @@ class TestResumeReadsOwnShare(DistributedTest):
     @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero1_bf16_optimizer"])
     def test_no_optimizer_state_crosses_ranks(self, stage, saved_keep, loaded_keep, tmp_path):
         save_dir = str(tmp_path / "ckpt")
-        saved = _save(stage, saved_keep, save_dir, optimizer_states=True)
+        saved = _save(stage, saved_keep, save_dir)
         config = _stage_config(stage, keep=loaded_keep)
         engine = _stage_engine(stage, config)
         kept_bytes = sum(p.numel() * 4 for p in engine.module.parameters() if p.dtype == torch.float32)
@@ -158,11 +150,7 @@ class TestResumeReadsOwnShare(DistributedTest):
         assert not objects, f"the load sent Python objects between ranks: {objects}"
         moved = sum(nbytes for _, nbytes in calls)
         assert moved <= kept_bytes + 64 * len(calls), f"{moved} bytes moved between ranks: {calls}"
-        loaded = _optimizer_states(engine)
-        for name, param in engine.module.named_parameters():
-            for what, got, want in zip(("master", "exp_avg", "exp_avg_sq"), loaded[name], saved[name]):
-                assert torch.equal(got, want), f"{name}: the {what} differs after the load"
-            assert torch.equal(_gathered(param), saved[name][0].to(param.dtype)), f"{name} is not its master"
+        _check_loaded(engine, config, saved)
 
 
 def _optim_file(save_dir, rank):

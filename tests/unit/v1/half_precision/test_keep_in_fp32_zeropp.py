@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states,
+                                                       check_whole_state, whole_state)
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (_batch, _check_kept_and_updated, _collective_dtypes,
                                                               _config, _engine, _gathered, _listed_names, _train)
@@ -91,15 +93,23 @@ class TestHierarchicalFetch(DistributedTest):
         save_dir = str(tmp_path)
         engine.save_checkpoint(save_dir)
         saved = _snapshot(engine)
+        saved_state = whole_state(engine)
 
         losses = _train(engine, config, steps=2)
         after = _snapshot(engine)
+        after_state = whole_state(engine)
         engine.load_checkpoint(save_dir)
+        # the counters are the engine's, which its load sets back
+        check_whole_state(whole_state(engine), saved_state)
+        check_masters_own_their_states(engine)
         loaded = _snapshot(engine)
         for name in saved:
             for what, a, b in zip(("param", "master", "exp_avg"), saved[name], loaded[name]):
                 assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {what} differs after the load"
+        continuation = Continuation(engine)
         assert _train(engine, config, steps=2) == losses
+        continuation.check(steps=2)
+        check_whole_state(whole_state(engine), after_state, "two more steps")
         again = _snapshot(engine)
         for name in after:
             assert all(torch.equal(a, b) for a, b in zip(after[name], again[name])), name

@@ -93,14 +93,23 @@ def _is_flat(value):
     return torch.is_tensor(value) and value.dim() > 0
 
 
-def _effective_state(optimizer, master):
-    """``master``'s state as its optimizer reads it. FusedAdam advances and reads the step of the last parameter of a
-    param group only (its ``state`` leaks out of the loop over the group): that one counts for every master."""
-    state = optimizer.state[master]
+def _steps_like_fused_adam(optimizer, group):
+    """Whether ``group`` is stepped by FusedAdam: it advances and reads the step of the last parameter of a param
+    group only (its ``state`` leaks out of the loop over the group). Muon steps the groups it does not update by
+    FusedAdam where it has it (``aux_optimizer``)."""
     if type(optimizer).__name__ == "FusedAdam":
-        for group in optimizer.param_groups:
-            if any(p is master for p in group["params"]) and "step" in optimizer.state[group["params"][-1]]:
-                return dict(state, step=optimizer.state[group["params"][-1]]["step"])
+        return True
+    return type(getattr(optimizer, "aux_optimizer", None)).__name__ == "FusedAdam" and not group.get("use_muon")
+
+
+def _effective_state(optimizer, master):
+    """``master``'s state as its optimizer reads it: where FusedAdam steps it (_steps_like_fused_adam), with the step
+    of the last parameter of its param group, which counts for every master of the group."""
+    state = optimizer.state[master]
+    for group in optimizer.param_groups:
+        if (any(p is master for p in group["params"]) and _steps_like_fused_adam(optimizer, group)
+                and "step" in optimizer.state[group["params"][-1]]):
+            return dict(state, step=optimizer.state[group["params"][-1]]["step"])
     return state
 
 
@@ -295,7 +304,12 @@ class Continuation:
                 # its CPU build keeps one C++ Adam per process, whose bias corrections follow the previous call
                 # (incremental powers of the betas, else std::pow): a replay in the same process can differ in the
                 # last bits; a wrong step changes them by far more
-                torch.testing.assert_close(replayed, master.detach(), rtol=1e-6, atol=1e-9, equal_nan=True, msg=message)
+                torch.testing.assert_close(replayed,
+                                           master.detach(),
+                                           rtol=1e-6,
+                                           atol=1e-9,
+                                           equal_nan=True,
+                                           msg=message)
             else:
                 assert _same_bits(replayed, master), message
             for name, value in states[key].items():

@@ -172,3 +172,33 @@ class TestMuonCheckpoint(DistributedTest):
         check_whole_state(whole_state(loaded), after_state, "two more steps")
         for name, value in _values(loaded.module).items():
             assert torch.equal(value, after[name]), f"{name} differs 2 steps after the load"
+
+    # RouterNet's forward needs its router in fp32: each list keeps it
+    @pytest.mark.parametrize(
+        "saved_keep, loaded_keep",
+        [(["router"], "auto"), pytest.param("auto", ["router"], marks=pytest.mark.nightly)],
+        ids=["more_kept", "less_kept"])
+    @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.nightly), 3])
+    def test_other_layout_loads_the_whole_state(self, stage, saved_keep, loaded_keep, tmp_path):
+        """Saved keeping one list, loaded keeping another: at ZeRO-3 the whole state (Muon's momentum, Adam's moments,
+        the steps, every master) as saved, and training goes on. ZeRO-1/2 hold Muon's momentum as whole parameters
+        (those of each rank's partition), not laid out as the fp32 partition: the load refuses to move it, on every
+        rank, naming the way out, where it would have scattered it."""
+        config = _muon_config(stage, keep=saved_keep)
+        engine = _initialize(config)
+        _train(engine, config, steps=2)
+        engine.save_checkpoint(str(tmp_path))
+        saved_state = whole_state(engine)
+        del engine
+
+        config = _muon_config(stage, keep=loaded_keep)
+        torch.manual_seed(7)
+        loaded = _initialize(config)
+        if stage != 3:
+            with pytest.raises(ValueError, match="'momentum_buffer' .* not laid out as the partition"):
+                loaded.load_checkpoint(str(tmp_path))
+            return
+        loaded.load_checkpoint(str(tmp_path))
+        check_whole_state(whole_state(loaded), saved_state)
+        check_masters_own_their_states(loaded)
+        assert all(torch.isfinite(torch.tensor(_train(loaded, config, steps=2))))

@@ -74,14 +74,18 @@ def _masters(engine):
     return [(p, [(names[id(p)], None, p)]) for group in optimizer.param_groups for p in group["params"]]
 
 
+def _group_index_of(optimizer, master, engine):
+    """The index of the param group of ``master``."""
+    for index, group in enumerate(optimizer.param_groups):
+        if any(p is master for p in group["params"]):
+            return index
+    wrapper = engine.optimizer  # ZeRO-3 lists a sub-group's master in its param group only during its step
+    return wrapper.sub_group_to_group_id[[id(m) for m in wrapper.fp32_partitioned_groups_flat].index(id(master))]
+
+
 def _group_of(optimizer, master, engine):
     """The hyperparameters of the param group of ``master`` (without ``params``)."""
-    for group in optimizer.param_groups:
-        if any(p is master for p in group["params"]):
-            return {key: value for key, value in group.items() if key != "params"}
-    wrapper = engine.optimizer  # ZeRO-3 lists a sub-group's master in its param group only during its step
-    index = [id(m) for m in wrapper.fp32_partitioned_groups_flat].index(id(master))
-    group = optimizer.param_groups[wrapper.sub_group_to_group_id[index]]
+    group = optimizer.param_groups[_group_index_of(optimizer, master, engine)]
     return {key: value for key, value in group.items() if key != "params"}
 
 
@@ -138,9 +142,11 @@ def whole_state(engine):
     masters = _masters(engine)
     local = {}  # name -> (scalars of each master holding a piece, tensor keys, the group's hyperparameters)
     offsets = {}
+    group_scalars = {}  # param group index -> the scalar states of its masters on this rank, those of padding too
     for master, held in masters:
         state = _effective_state(optimizer, master)
         scalars = {key: _plain(value) for key, value in state.items() if not _is_flat(value)}
+        group_scalars.setdefault(_group_index_of(optimizer, master, engine), []).append(scalars)
         keys = sorted(key for key, value in state.items() if _is_flat(value))
         group = _group_of(optimizer, master, engine)
         start = 0
@@ -149,7 +155,14 @@ def whole_state(engine):
             offsets[name] = (master, start)
             start += param.numel()
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    dist.all_gather_object(gathered, (local, group_scalars))
+    groups = {}
+    for _, rank_groups in gathered:
+        for index, scalars in rank_groups.items():
+            groups.setdefault(index, []).extend(scalars)
+    for index, scalars in groups.items():  # every master of a param group, on every rank, counts alike
+        assert all(s == scalars[0] for s in scalars), f"the masters of param group {index} disagree: {scalars}"
+    gathered = [rank_local for rank_local, _ in gathered]
     params = {}
     for name, param in engine.module.named_parameters():
         if not param.requires_grad:
@@ -170,6 +183,7 @@ def whole_state(engine):
     scheduler = getattr(engine, "lr_scheduler", None)
     return {
         "params": params,
+        "groups": {index: scalars[0] for index, scalars in groups.items()},
         "scaler": {
             key: _plain(value)
             for key, value in vars(scaler).items()
@@ -203,6 +217,8 @@ def check_whole_state(got, want, what="the load", masters_to_the_last_bits=False
             f"{name}: scalar states {other['scalars']} after {what}, {entry['scalars']} saved"
         assert other["group"] == entry["group"], \
             f"{name}: param group {other['group']} after {what}, {entry['group']} saved"
+    assert got["groups"] == want["groups"], f"the param groups' scalar states after {what}: {got['groups']}, saved " \
+        f"{want['groups']}"
     for key in ("scaler", "scheduler", "counters"):
         assert got[key] == want[key], f"the {key} after {what}: {got[key]}, saved {want[key]}"
 

@@ -183,7 +183,10 @@ def whole_state(engine):
     scheduler = getattr(engine, "lr_scheduler", None)
     return {
         "params": params,
-        "groups": {index: scalars[0] for index, scalars in groups.items()},
+        "groups": {
+            index: scalars[0]
+            for index, scalars in groups.items()
+        },
         "scaler": {
             key: _plain(value)
             for key, value in vars(scaler).items()

@@ -21,8 +21,8 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from unit import tiny_hf_models
-from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states,
-                                                       check_whole_state, whole_state)
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states, check_whole_state,
+                                                       whole_state)
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (HIDDEN, SINK_VALUES, Norm, _batch, _config, _engine,
                                                               _gathered, _listed_names, _sinks, _train)
@@ -545,8 +545,8 @@ class TestStagesKeptGradientsAveraged(DistributedTest):
             assert not torch.equal(gathered[0], gathered[1]), "the ranks' gradients do not differ"
             means.append(sum(gathered) / dist.get_world_size())
         engine.backward(engine(batch))
-        for name, param, mean in zip(("attn.sinks", "norm.weight"), (engine.module.attn.sinks,
-                                                                     engine.module.norm.weight), means):
+        for name, param, mean in zip(("attn.sinks", "norm.weight"),
+                                     (engine.module.attn.sinks, engine.module.norm.weight), means):
             grad = safe_get_full_grad(param)
             assert grad.dtype == torch.float32, name
             assert torch.equal(grad.cpu(), mean.cpu()), f"{name}: the reduced gradient is not the ranks' mean"
@@ -649,3 +649,58 @@ class TestStagesTransformers(DistributedTest):
             assert after.dtype == torch.float32 and torch.equal(after, masters[name]), name
             below = (after != before[name]) & (after.bfloat16() == before[name].bfloat16())
             assert below.any(), f"{name}: no update below bf16's resolution survived"
+
+
+class TinySinkNet(torch.nn.Module):
+    """A listed parameter of 2 elements: at data-parallel size 4, ZeRO-3 partitions of ranks 2 and 3 hold only
+    padding of it."""
+    _keep_in_fp32_modules_strict = ["sink"]
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.sink = torch.nn.Parameter(torch.full((2, ), 8.0))
+
+    def forward(self, x):
+        return ((self.lin(x) + self.sink.sum().to(x.dtype))**2).float().mean()
+
+
+class TestStage3ReleasedGradientsRecordTheirStream(DistributedTest):
+    """ZeRO-3 frees each gradient it has reduced: on a GPU the reduction read it on the reduction stream, so the
+    caching allocator must not hand its block back to the compute stream before that read ran (record_stream). The
+    kept bucket has no contiguous buffer, so its reduction reads every kept gradient itself, also on a rank whose
+    partition of it is padding only (contains_real_data false), which stock reaches only without
+    contiguous_gradients. On the CPU the accelerator is synchronized: the test runs partition_grads as on a device
+    that is not, and checks that every gradient it frees recorded the current stream first."""
+    world_size = 4
+
+    def test_every_freed_gradient_records_the_stream(self):
+        from deepspeed.accelerator import get_accelerator
+        config = _config(keep="auto")
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = TinySinkNet()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        optimizer = engine.optimizer
+        partition_grads = optimizer.partition_grads
+        freed, recorded = [], []
+
+        def spied(params, grad_partitions):
+            accelerator = get_accelerator()
+            synchronized, record_stream = accelerator.is_synchronized_device, torch.Tensor.record_stream
+            accelerator.is_synchronized_device = lambda: False
+            torch.Tensor.record_stream = lambda tensor, stream: recorded.append(tensor)
+            freed.extend((param, param.grad) for param in params if param.grad is not None)
+            try:
+                return partition_grads(params, grad_partitions)
+            finally:
+                accelerator.is_synchronized_device, torch.Tensor.record_stream = synchronized, record_stream
+
+        optimizer.partition_grads = spied
+        batch = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(dist.get_rank())).bfloat16()
+        engine.backward(engine(batch))
+        sink = engine.module.sink
+        padding_only = sink.partition_numel() * dist.get_rank() >= sink.ds_numel
+        assert any(param is sink for param, _ in freed), "the sink's gradient was not freed by partition_grads"
+        for param, grad in freed:
+            assert any(tensor is grad for tensor in recorded), \
+                f"a gradient of {tuple(param.ds_shape)} was freed without record_stream (padding only: {padding_only})"

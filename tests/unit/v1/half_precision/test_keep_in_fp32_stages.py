@@ -173,15 +173,6 @@ class TestStagesSubResolutionUpdates(DistributedTest):
         _check_kept_and_updated(engine)
 
 
-def _torch_optimizer(engine):
-    """The torch optimizer under the engine's: ZeRO's optimizers and the fp16/bf16 wrappers hold it as
-    ``.optimizer``."""
-    optimizer = engine.optimizer
-    while not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 class TestStagesOverlapCommOneRank(DistributedTest):
     """One rank, overlap_comm and contiguous_gradients on, in every stage (tools/gpu-check runs it on CUDA, where the
     reduction stream is real): the listed parameters are fp32 and exact once loaded, the first step's fp32 master of
@@ -206,7 +197,7 @@ class TestStagesOverlapCommOneRank(DistributedTest):
         grad = grad.detach().cpu().clone()
         assert torch.isfinite(grad).all() and grad.abs().max() > 0
         before = _master(sinks)
-        optimizer = _torch_optimizer(engine)
+        optimizer = base_optimizer(engine)
         # Adam's state for the sinks before the step: none, but where the sinks are their own master in
         # FP16_UnfusedOptimizer (zero0), which steps once at init with zero gradients (step 1, zero moments)
         state = {key: tensor.clone() for key, tensor in optimizer.state.get(sinks, {}).items()}

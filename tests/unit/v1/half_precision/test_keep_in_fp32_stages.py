@@ -21,8 +21,8 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from unit import tiny_hf_models
-from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states, check_whole_state,
-                                                       whole_state)
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, base_optimizer, check_masters_own_their_states,
+                                                       check_whole_state, whole_state)
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import (HIDDEN, SINK_VALUES, Norm, _batch, _config, _engine,
                                                               _gathered, _listed_names, _sinks, _train)

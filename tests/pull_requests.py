@@ -49,6 +49,7 @@ STAGES = [
 # The files that hold cases of several pull requests (by stage, or in TESTS): each pull request from the one they
 # belong to on runs them.
 MIXED = [
+    "unit/runtime/zero/test_zero_hp_links.py",
     "unit/v1/half_precision/test_keep_in_fp32_modules.py",
     "unit/v1/half_precision/test_keep_in_fp32_features.py",
     "unit/v1/half_precision/test_keep_in_fp32_stages.py",
@@ -63,6 +64,8 @@ TESTS = {
     ZERO12,
     "unit/checkpoint/test_keep_in_fp32_checkpoints.py::TestUniversalResumeReadsOwnShare": ZERO12,
     "unit/checkpoint/test_keep_in_fp32_checkpoints.py::TestUpgradeFromPristineRoundRobin": ZERO12,
+    # the stock bug that pull request 3 fixes first: kept sub-groups reach it by default
+    "unit/runtime/zero/test_zero_hp_links.py::TestZeRO3UniversalStepPerSubGroup": ZERO3,
     "unit/v1/half_precision/test_keep_in_fp32_zero0.py::TestBf16OptimizerCrossLayout": BF16_OPTIMIZER,
     # the rows of the engine's feature table that the ZeRO-1/2 and the no-ZeRO pull requests add
     "unit/v1/half_precision/test_keep_in_fp32_features.py::TestFeaturesThatRoundKeptParams::test_explicit_list_is_refused_naming_both_ways_out[elastic_checkpoint]":

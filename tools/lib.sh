@@ -75,8 +75,8 @@ apply_series() {
 # starts with | the pull requests it applies on ("-": stock 0.19.8 alone) | what it does.
 PULL_REQUESTS=(
     'zero_to_fp32-return-frozen-parameters|-|zero_to_fp32 returns frozen parameters as fp32'
-    'zero-stage_1_and_2-link-fp32-masters|-|stock fixes the series builds on: ZeRO-1/2 and the BF16 optimizer link fp32 masters and loaded optimizer states to the right parameters, a universal checkpoint loads on a rank that holds only padding of a group, zero_to_fp32 reads BF16 optimizer checkpoints, and each ZeRO-3 sub-group gets its own step from a universal checkpoint'
-    'zero-fetch-parameters-with-one-all_reduce|-|keep the parameters a model names for fp32 in fp32 under ZeRO-3'
+    'zero-stage_1_and_2-link-fp32-masters|-|stock fixes the series builds on: ZeRO-1/2 and the BF16 optimizer link fp32 masters and loaded optimizer states to the right parameters, a universal checkpoint loads on a rank that holds only padding of a group, and zero_to_fp32 reads BF16 optimizer checkpoints'
+    'zero-stage3-give-each-sub-group-its-own-step|-|keep the parameters a model names for fp32 in fp32 under ZeRO-3'
     'runtime-match-keep_in_fp32_modules-against-names-wit|3|match keep_in_fp32_modules against names without PEFT'"'"'s wrappers'
     'zero-stage3-offload-the-partitions|3|keep them in fp32 with ZeRO-3 CPU parameter offload'
     'zero-stage_1_and_2-move-a-group|2 3 5|keep them in fp32 under ZeRO-1/2'

@@ -369,6 +369,40 @@ class MoENet(torch.nn.Module):
         return self.out(h + self.moe(h)).float().pow(2).mean()
 
 
+def _gate_input_dtype(router, x):
+    """The dtype of the input AutoEP's router hands its gate."""
+    seen = []
+    handle = router.gate.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    try:
+        router(x)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+class TestAutoEPRouterInput:
+    """AutoEP's router projects in fp32 when its gate is kept in fp32, and hands its gate the activations as stock
+    0.19.8 does otherwise: under DeepSpeed's torch autocast (fp32 weights, bf16 activations) no fp32 copy of the
+    router's input is made."""
+
+    def _router(self, dtype):
+        from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+        torch.manual_seed(0)
+        return TokenChoiceTopKRouter(HIDDEN, EXPERTS, None, None, 1, "softmax", False, 1.0, False).to(dtype)
+
+    def test_autocast_nothing_kept(self):
+        router = self._router(torch.float32)
+        x = torch.randn(4, HIDDEN).to(BF16)
+        with torch.autocast("cpu", dtype=BF16):
+            assert _gate_input_dtype(router, x) == BF16
+
+    def test_kept_gate(self):
+        from deepspeed.runtime.keep_in_fp32 import keep_param_in_fp32
+        router = self._router(BF16)
+        keep_param_in_fp32(router.gate.weight, BF16)
+        assert _gate_input_dtype(router, torch.randn(4, HIDDEN).to(BF16)) == torch.float32
+
+
 class TestExpertParallel(DistributedTest):
     """ZeRO-3 with expert parallelism: AutoEP, the MoE that ZeRO-3 takes in 0.19.8 (the engine refuses
     deepspeed.moe.layer.MoE under ZeRO-3, _validate_zero3_moe_compatibility). The router's weight and one expert

@@ -13,6 +13,7 @@ which bf16 rounds to 8.0, and Adam moves them by about 1e-5 a step: kept in fp32
 import collections
 import contextlib
 import copy
+import itertools
 
 import pytest
 import torch
@@ -461,8 +462,8 @@ def _backend_calls(names=("all_reduce", "all_gather_into_tensor")):
 
 class TestStagesKeptCollectivesFollowStock(DistributedTest):
     """The collectives that keeping adds run where stock runs such collectives, in stock's order, on every rank: the
-    fp32 all-reduce of the kept gradients is one more blocking collective after the training dtype's (the kept
-    bucket has no contiguous buffer, so ZeRO-1/2 reduce it as stock reduces a bucket without one), and ZeRO-1/2 and
+    fp32 all-reduce of the kept gradients is one more blocking collective after the training dtype's (ZeRO-1/2
+    reduce the kept bucket as stock reduces a contiguous one), and ZeRO-1/2 and
     the BF16 optimizer all-gather the updated partitions of both dtypes one group after the other, blocking, as
     stock gathers its groups. Nothing is launched async and waited for later: under NCCL the collectives of one
     communicator run in order anyway, and across communicators (MoE) concurrent collectives can deadlock. ZeRO-1/2
@@ -513,7 +514,7 @@ class TestStage3KeptReductionFollowsStock(DistributedTest):
 
 class TestStagesKeptGradientsAveraged(DistributedTest):
     """ZeRO-1/2 reduce the kept gradients in fp32 to the mean of the ranks' gradients, bit for bit, with and without
-    overlap_comm and contiguous_gradients (the kept bucket takes stock's path for a bucket without a contiguous
+    overlap_comm and contiguous_gradients (stock's paths for a contiguous bucket and for a bucket without a
     buffer): each rank's gradient is taken from a plain copy of the module on the same batch."""
     world_size = 2
 
@@ -541,6 +542,160 @@ class TestStagesKeptGradientsAveraged(DistributedTest):
             grad = safe_get_full_grad(param)
             assert grad.dtype == torch.float32, name
             assert torch.equal(grad.cpu(), mean.cpu()), f"{name}: the reduced gradient is not the ranks' mean"
+
+
+class _Stream:
+    """A stream of a device whose kernels run asynchronously (_async_device): each wait is logged."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", self.name, event.stream))
+
+    def synchronize(self):
+        self.log.append(("stream_synchronize", self.name))
+
+
+@contextlib.contextmanager
+def _async_device():
+    """The CPU accelerator as a device whose kernels run asynchronously, on streams, for the calls that reach it
+    while the block runs: its streams, events, synchronize and record_stream are logged in order (with the
+    collectives that reach the backend) instead of being no-ops, and stock's code takes its paths for such a device.
+    The tensors stay on the CPU, so values are computed as usual."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    log = []
+    streams = {"current": _Stream("compute", log)}
+
+    class Event:
+
+        def __init__(self, **kwargs):
+            self.stream = None
+
+        def record(self, stream=None):
+            self.stream = (stream or streams["current"]).name
+
+        def synchronize(self):
+            log.append(("event_synchronize", self.stream))
+
+        def query(self):
+            return True
+
+    @contextlib.contextmanager
+    def on(stream):
+        previous = streams["current"]
+        streams["current"] = stream if stream is not None else previous
+        try:
+            yield
+        finally:
+            streams["current"] = previous
+
+    made = iter(f"stream{i}" for i in itertools.count())
+
+    class AsyncDevice(type(accelerator)):
+
+        def is_synchronized_device(self):
+            return False
+
+        def resolves_data_dependency(self):
+            return False
+
+        @property
+        def Stream(self):
+            return lambda *args, **kwargs: _Stream(next(made), log)
+
+        def current_stream(self, device_index=None):
+            return streams["current"]
+
+        def default_stream(self, device_index=None):
+            return streams["current"]
+
+        def stream(self, stream):
+            return on(stream)
+
+        def synchronize(self, device_index=None):
+            log.append(("synchronize", ))
+
+        @property
+        def Event(self):
+            return Event
+
+    cls, record_stream = accelerator.__class__, torch.Tensor.record_stream
+    accelerator.__class__ = AsyncDevice
+    torch.Tensor.record_stream = lambda tensor, stream: log.append(("record_stream", tensor, stream.name))
+    try:
+        with _backend_spy(("all_reduce", "reduce"), lambda name, args, kwargs: log.append(
+            (name, next(a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)).dtype))):
+            yield log
+    finally:
+        torch.Tensor.record_stream = record_stream
+        accelerator.__class__ = cls
+
+
+class TestZeRO12KeptBucketFollowsStockStreams(DistributedTest):
+    """ZeRO-1/2 reduce the kept bucket as stock reduces a bucket with a contiguous buffer (average_tensor), on the
+    streams of a device whose kernels run asynchronously: with overlap_comm, the reduction stream waits for the
+    stream that made the gradients (no host synchronize that the same run without keeping does not make), every kept
+    gradient and the flat tensor the reduction read are recorded on the reduction stream before they can be freed,
+    and the bucket, which has no buffer, keeps no double-buffer bookkeeping. A bucket of 20 elements flushes the
+    kept one in the middle of backward."""
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", ["zero1", "zero2"])
+    def test_streams_as_stock(self, stage):
+        logs, kept_buckets = {}, {}
+        for keep in ("auto", []):
+            config = _stage_config(stage, keep=keep)
+            config["zero_optimization"].update(overlap_comm=True, contiguous_gradients=True, reduce_bucket_size=20)
+            with _async_device() as log:
+                engine = _stage_engine(stage, config)
+                del log[:]
+                engine.backward(engine(_batch(0, config)))
+                logs[str(keep)] = list(log)
+            kept_buckets[str(keep)] = engine.optimizer.kept_ipg_bucket
+        log = logs["auto"]
+        assert log.count(("synchronize", )) == logs["[]"].count(("synchronize", )), \
+            "keeping adds a host synchronize to backward"
+        kept_reductions = [i for i, entry in enumerate(log) if entry == ("all_reduce", torch.float32)]
+        assert len(kept_reductions) >= 2, log  # one in the middle of backward, one at its end
+        previous = -1
+        for i in kept_reductions:
+            waits = [e for e in log[previous + 1:i] if e[0] == "wait_stream" and e[2] == "compute"]
+            assert waits, f"the reduction stream does not wait for the gradients before a kept reduction: {log}"
+            previous = i
+        recorded = [(entry[1].dtype, entry[1].numel()) for entry in log
+                    if entry[0] == "record_stream" and entry[2] != "compute"]
+        for name, param in engine.module.named_parameters():
+            if param.dtype == torch.float32:
+                assert (torch.float32, param.numel()) in recorded, f"{name}'s gradient was not recorded"
+        bucket = kept_buckets["auto"]
+        assert kept_buckets["[]"] is None and bucket.buffer == [] and bucket.index == 0 and not bucket.reuse_events
+
+    @pytest.mark.parametrize("stage", ["zero1", "zero2"])
+    def test_use_multi_rank_bucket_allreduce_off(self, stage):
+        """use_multi_rank_bucket_allreduce false: each rank's share of the kept gradients is reduced to it (reduce),
+        as the others are, not all-reduced, and each is the ranks' mean bit for bit."""
+        config = _stage_config(stage)
+        config["zero_optimization"].update(use_multi_rank_bucket_allreduce=False)
+        engine = _stage_engine(stage, config)
+        plain = copy.deepcopy(engine.module)
+        batch = _batch(0, config)
+        plain(batch).backward()
+        with _backend_calls(("all_reduce", "reduce")) as calls:
+            engine.backward(engine(batch))
+        assert [c for c in calls if c[1] == torch.float32 and c[2] > 1 and c[0] == "all_reduce"] == [], calls
+        assert any(c[0] == "reduce" and c[1] == torch.float32 for c in calls), calls
+        for name, param in engine.module.named_parameters():
+            if param.dtype != torch.float32:
+                continue
+            grad = dict(plain.named_parameters())[name].grad.float()
+            gathered = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, grad)
+            assert torch.equal(safe_get_full_grad(param).cpu(), (sum(gathered) / dist.get_world_size()).cpu()), name
 
 
 class TestStagesCheckpoint(DistributedTest):

@@ -249,7 +249,7 @@ def _master_partitions(opt):
     (``fp32_partitioned_groups_flat``); pristine 0.19.8 has no kept groups."""
     if hasattr(opt, "fp32_groups_flat_partition") and hasattr(opt, "bf16_groups"):
         masters = list(opt.fp32_groups_flat_partition)
-        kept = list(getattr(opt, "sub_group_kept_in_fp32", []) or [False] * len(masters))
+        kept = list(getattr(opt, "group_kept_in_fp32", []) or [False] * len(masters))
         return "bf16_optimizer", masters, kept, list(opt.fp32_groups_gradients_flat)
     if hasattr(opt, "single_partition_of_fp32_groups"):
         masters = list(opt.single_partition_of_fp32_groups)

@@ -15,7 +15,7 @@ fp32 master partitions (ZeRO-1/2 ``single_partition_of_fp32_groups``, the BF16 o
 ``fp32_groups_flat_partition``, ZeRO-3 ``fp32_partitioned_groups_flat``), the torch optimizer's states of each
 (exp_avg, exp_avg_sq), and the fp32 gradient each held when the torch optimizer stepped (the gradient partition),
 with the groups the series marks as kept (``is_kept_in_fp32`` of a group's first parameter, the BF16 optimizer's
-``sub_group_kept_in_fp32``).
+``group_kept_in_fp32``).
 
 Models (``--models``): ``lm_head`` (default), a small language model whose output projection ``lm_head``
 (64 x 8192, 524,288 of its 545,152 elements; models.make_lm_head_net) is listed (``["lm_head"]``), as in the issue;

@@ -104,7 +104,7 @@ def _check_fused_kept(engine, half_dtype):
     _check_dtypes(engine.module, kept, half_dtype)
     optimizer = engine.optimizer
     assert len(optimizer.param_groups) == 1 and len(optimizer.param_groups[0]["params"]) == 2
-    assert optimizer.sub_group_kept_in_fp32 == [False, True]
+    assert optimizer.group_kept_in_fp32 == [False, True]
     masters = _fused_masters(engine)
     for name, param in engine.module.named_parameters():
         if name in kept:

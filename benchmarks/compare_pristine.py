@@ -29,6 +29,8 @@ compared. The cases, in each stage and precision:
 * tiny DeepSeek-V4 (random init, seeded, ``save_pretrained`` once, ``from_pretrained`` under ``HfDeepSpeedConfig``,
   so that ``zero.Init`` runs under ZeRO-3), ``data_types.keep_in_fp32_modules: []``;
 * a small plain torch model that lists nothing, ``keep_in_fp32_modules`` left at its default (``"auto"``);
+* at stage 3 only, a small torch MoE model whose MoE blocks AutoEP replaces (``expert_parallel``, 2 experts over
+  the ``--world-size`` ranks, which must be 2), listing nothing: AutoEP's router as stock;
 
 and once, in bf16 (fp16 if bf16 is not among ``--precisions``; neither: no control) at stage 3 (or the first of
 ``--stages``), a control that is not part of the verdict (``--no-control`` skips it): the tiny DeepSeek-V4 with the
@@ -76,7 +78,10 @@ CASES = [
     # name, model, keep_in_fp32_modules, control
     ("DeepSeek-V4 (tiny), keep_in_fp32_modules: []", "deepseek_v4", [], False),
     ("torch model listing nothing, default (\"auto\")", "tiny_net", configs.UNSET, False),
+    # at ZeRO-3 only (AUTOEP_STAGES): AutoEP's router, with nothing listed
+    ("AutoEP MoE (torch), default (\"auto\")", "autoep_net", configs.UNSET, False),
 ]
+AUTOEP_STAGES = ("3", )
 CONTROL = ("control: DeepSeek-V4 (tiny), default (\"auto\")", "deepseek_v4", configs.UNSET, True)
 
 
@@ -183,7 +188,8 @@ def main():
     print("stages: " + "; ".join(f"{s} ({configs.STAGES.get(s) or configs.MORE_STAGES[s]})" for s in args.stages))
     print("precisions: " + "; ".join(f"{p} ({PRECISIONS[p]})" for p in args.precisions))
 
-    jobs = [(stage, precision, case) for stage in args.stages for precision in args.precisions for case in CASES]
+    jobs = [(stage, precision, case) for stage in args.stages for precision in args.precisions for case in CASES
+            if case[1] != "autoep_net" or stage in AUTOEP_STAGES]
     control_precision = next((p for p in ("bf16", "fp16") if p in args.precisions), None)
     control_stage = "3" if "3" in args.stages else args.stages[0]
     if not args.no_control and control_precision:
@@ -197,6 +203,9 @@ def main():
     results, failed, unsupported = [], [], []
     for stage, precision, (name, model, keep, control) in jobs:
         tag = f"[stage {stage}, {precision}]"
+        config = configs.ds_config(4, args.world_size, keep=keep, dtype=precision, stage=stage)
+        if model == "autoep_net":
+            config["expert_parallel"] = dict(models.AUTOEP_CONFIG, autoep_size=args.world_size)
         spec = dict(model=model,
                     model_dir=str(model_dir),
                     # under 3-offload-nvme, matrices whose partitions reach the swapper's 1 MiB, so that they swap
@@ -209,7 +218,7 @@ def main():
                     seed=args.seed,
                     warmup=0,
                     steps=args.steps,
-                    config=configs.ds_config(4, args.world_size, keep=keep, dtype=precision, stage=stage),
+                    config=config,
                     dump_params=True)
         runs, params = {}, {}
         slug = f"zero{stage}/{precision}/{model}_{'default' if keep == configs.UNSET else 'empty'}"

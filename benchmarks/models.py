@@ -111,6 +111,73 @@ def make_tiny_net(dim, layers, keep_per_block, vocab=VOCAB):
     return TinyNet()
 
 
+# AutoEP (DeepSpeed's expert parallelism under ZeRO-3) replaces each block's ``moe`` with its own layer and router.
+AUTOEP_CONFIG = {
+    "enabled": True,
+    "autoep_size": 2,
+    "moe_layer_pattern": "moe",
+    "expert_w1": "w1",
+    "expert_w2": "w2",
+    "expert_w3": "w3",
+    "top_k": 1,
+    "use_grouped_mm": False,
+}
+
+
+def make_autoep_net(dim, layers, experts=2, ffn=16, vocab=VOCAB):
+    """A small torch MoE language model for AutoEP (AUTOEP_CONFIG): embedding, ``layers`` blocks of LayerNorm and a
+    top-1 MoE block (a router ``gate`` and SwiGLU experts stored as 3-D tensors, as transformers 5 stores them), head,
+    cross-entropy loss. Nothing is listed by the model itself; AutoEP's router computes in the activations' dtype."""
+    import torch
+    import torch.nn.functional as F
+
+    class Experts(torch.nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.randn(experts, ffn, dim) * dim**-0.5)
+            self.w2 = torch.nn.Parameter(torch.randn(experts, dim, ffn) * ffn**-0.5)
+            self.w3 = torch.nn.Parameter(torch.randn(experts, ffn, dim) * dim**-0.5)
+
+    class MoE(torch.nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(dim, experts, bias=False)
+            self.experts = Experts()
+
+        def forward(self, h):
+            raise AssertionError("AutoEP did not replace the MoE block")
+
+    class Block(torch.nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(dim)
+            self.moe = MoE()
+
+        def forward(self, h):
+            return h + self.moe(self.norm(h))
+
+    class AutoEPNet(torch.nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, dim)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
+            self.final_norm = torch.nn.LayerNorm(dim)
+            self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, input_ids, labels):
+            h = self.embed(input_ids)
+            for block in self.blocks:
+                h = block(h)
+            logits = self.head(self.final_norm(h)).float()
+            return F.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+
+    return AutoEPNet()
+
+
 def make_lm_head_net(dim=64, vocab_out=8192, layers=1, vocab=VOCAB):
     """A small torch language model whose output projection ``lm_head`` (``dim`` x ``vocab_out``, 64 x 8192 by
     default: 524,288 of its 545,152 elements) dominates, as in models that list their ``lm_head`` for fp32; the

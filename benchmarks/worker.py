@@ -26,7 +26,7 @@ import configs
 from counters import (CommCounter, StepGradRecorder, current_rss_bytes, held_bytes, live_tensor_bytes,
                       optimizer_partitions, peak_rss_bytes, peak_rss_since_reset_bytes, reset_peak_rss)
 from launch import DEV_TREE, PRISTINE
-from models import HF_MODELS, VOCAB, make_lm_head_net, make_tiny_net, tiny_hf_models
+from models import HF_MODELS, VOCAB, make_autoep_net, make_lm_head_net, make_tiny_net, tiny_hf_models
 
 
 def _exit_with_parent():
@@ -77,6 +77,12 @@ def build_engine(spec, config):
 
         def loss_fn(engine, ids):
             return engine(input_ids=ids, labels=ids).loss
+    elif spec["model"] == "autoep_net":
+        with deepspeed.zero.Init(config_dict_or_path=config, enabled=config["zero_optimization"]["stage"] == 3):
+            model = make_autoep_net(spec["dim"], spec["layers"])
+
+        def loss_fn(engine, ids):
+            return engine(ids, ids)
     elif spec["model"] == "lm_head_net":
         with deepspeed.zero.Init(config_dict_or_path=config, enabled=config["zero_optimization"]["stage"] == 3):
             model = make_lm_head_net(spec["dim"], spec["vocab_out"], spec["layers"])

@@ -26,6 +26,9 @@ from unit.v1.half_precision.test_keep_in_fp32_param_offload import _master_and_m
 if not deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]:
     pytest.skip("the async I/O op is not compatible here (libaio)", allow_module_level=True)
 
+# Nightly (make test-all): on 2 CPU cores the async I/O op's JIT build is about 3 of these tests' 4 minutes.
+pytestmark = pytest.mark.nightly
+
 WIDE = 2**17  # a partition of HIDDEN x WIDE bf16 elements at world size 2 is over the swapper's 1 MiB minimum
 
 

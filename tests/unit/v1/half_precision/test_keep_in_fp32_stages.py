@@ -698,6 +698,56 @@ class TestZeRO12KeptBucketFollowsStockStreams(DistributedTest):
             assert torch.equal(safe_get_full_grad(param).cpu(), (sum(gathered) / dist.get_world_size()).cpu()), name
 
 
+class KeptNormMaybeUnused(torch.nn.Module):
+    """A linear layer in the training dtype, then a norm the model lists for fp32 that one step may skip."""
+    _keep_in_fp32_modules_strict = ["norm"]
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.norm = Norm(HIDDEN)
+
+    def forward(self, x, use_norm=True):
+        h = self.lin(x)
+        if use_norm:
+            h = self.norm(h.float()).to(h.dtype)
+        return h.float().pow(2).mean()
+
+
+class TestZeRO12EmptyKeptBucket(DistributedTest):
+    """The kept bucket is flushed while empty, as a contiguous bucket can be, and that issues nothing: a kept
+    parameter larger than reduce_bucket_size comes first in backward (the HF Trainer's "auto" bucket is hidden
+    size squared), or a backward makes no kept gradient (a kept module a step skips)."""
+    world_size = 2
+
+    @pytest.mark.parametrize("overlap_comm", [True, False], ids=["overlap_comm", "no_overlap_comm"])
+    @pytest.mark.parametrize("stage", ["zero1", "zero2"])
+    def test_kept_parameter_larger_than_the_bucket(self, stage, overlap_comm):
+        config = _stage_config(stage)
+        config["zero_optimization"].update(overlap_comm=overlap_comm, reduce_bucket_size=4)
+        engine = _stage_engine(stage, config)
+        losses = _train(engine, config, steps=2)
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+        _check_kept_and_updated(engine)
+
+    @pytest.mark.parametrize("stage", ["zero1", "zero2"])
+    def test_backward_without_kept_gradients(self, stage):
+        config = _stage_config(stage, keep=["norm"])
+        config["zero_optimization"].update(overlap_comm=True)
+        torch.manual_seed(42)
+        model = KeptNormMaybeUnused()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        assert engine.module.norm.weight.dtype == torch.float32
+        for step, use_norm in enumerate((False, True)):
+            loss = engine(_batch(step, config), use_norm=use_norm)
+            engine.backward(loss)
+            engine.step()
+            assert torch.isfinite(loss), step
+        weight = engine.module.norm.weight
+        assert weight.dtype == torch.float32
+        assert torch.equal(weight.detach().cpu(), safe_get_full_fp32_param(weight).cpu())
+
+
 class TestStagesCheckpoint(DistributedTest):
     world_size = 2
 

@@ -115,7 +115,7 @@ def make_tiny_net(dim, layers, keep_per_block, vocab=VOCAB):
 AUTOEP_CONFIG = {
     "enabled": True,
     "autoep_size": 2,
-    "moe_layer_pattern": "moe",
+    "moe_layer_pattern": r"blocks\.\d+\.moe",
     "expert_w1": "w1",
     "expert_w2": "w2",
     "expert_w3": "w3",

@@ -397,6 +397,9 @@ class TestUniversalCheckpointWithFrozenParams(DistributedTest):
         _check_universal(frozen_save_ws3)
 
 
+# nightly: the fast subset checks the upgrade resume's traffic without ds_to_universal (test_keep_in_fp32_zero12.py's
+# TestResumeReadsOwnShare)
+@pytest.mark.nightly
 class TestUniversalResumeReadsOwnShare(DistributedTest):
     """At another data-parallel size (3 -> 2), a ZeRO-2 checkpoint of 0.19.8's layout moves into kept groups through
     ds_to_universal with no optimizer state crossing ranks: each rank reads its parameters' fragments, and the

@@ -91,6 +91,25 @@ class TestZeroInitWithNvme(DistributedTest):
         _check_dtypes(model, _listed_names(model))
 
 
+class TestModelBuiltWithoutZeroInit(DistributedTest):
+    """A model built without zero.Init is partitioned by the engine after it keeps the listed parameters in fp32: a
+    kept partition large enough to be swapped stays in CPU memory in fp32, exact, since the swapper holds the
+    training dtype (it would otherwise be rounded to bf16 on its way to NVMe, silently)."""
+    world_size = 2
+
+    def test_large_kept_partition_stays_exact_in_cpu_memory(self, tmp_path):
+        config = _nvme_config(tmp_path, keep=["sink", "norm", "bias_buf", "up"])
+        torch.manual_seed(0)
+        model = SwappedNet()
+        up = model.up.weight.detach().clone()
+        assert not torch.equal(up, up.bfloat16().float())
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        param = engine.module.up.weight
+        assert param.ds_tensor.dtype == torch.float32 and not _on_nvme(param)
+        assert _on_nvme(engine.module.down.weight), "the test's other matrix is not swapped: the sizes changed"
+        assert torch.equal(_gathered(param), up), "the kept matrix lost its fp32 values"
+
+
 class TestNvmeTraining(DistributedTest):
     world_size = 2
 

@@ -94,10 +94,10 @@ class TestMuonKeepsListedParams(DistributedTest):
 
     @pytest.mark.parametrize("keep, stage", [
         ("auto", 2),
+        (LISTED + ["router"], 3),
         *[
             pytest.param(keep, stage, marks=pytest.mark.nightly)
-            for keep, stage in (("auto", 1), ("auto", 3), (LISTED + ["router"], 1), (LISTED + ["router"], 2),
-                                (LISTED + ["router"], 3))
+            for keep, stage in (("auto", 1), ("auto", 3), (LISTED + ["router"], 1), (LISTED + ["router"], 2))
         ],
     ])
     def test_by_config(self, keep, stage):

@@ -68,6 +68,30 @@ def keep_elements_for_share(share, dim, layers, vocab=VOCAB):
     return max(1, round(share * other / (1.0 - share) / layers))
 
 
+def _language_model(dim, layers, vocab, block):
+    """Embedding, ``layers`` modules made by ``block()``, a final LayerNorm, head, cross-entropy loss."""
+    import torch
+    import torch.nn.functional as F
+
+    class TinyNet(torch.nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, dim)
+            self.blocks = torch.nn.ModuleList(block() for _ in range(layers))
+            self.final_norm = torch.nn.LayerNorm(dim)
+            self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, input_ids, labels):
+            h = self.embed(input_ids)
+            for layer in self.blocks:
+                h = layer(h)
+            logits = self.head(self.final_norm(h)).float()
+            return F.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+
+    return TinyNet()
+
+
 def make_tiny_net(dim, layers, keep_per_block, vocab=VOCAB):
     """A small torch language model: embedding, ``layers`` blocks of Linear + LayerNorm, head, cross-entropy loss.
 
@@ -75,7 +99,6 @@ def make_tiny_net(dim, layers, keep_per_block, vocab=VOCAB):
     output; the benchmark lists it with ``keep_in_fp32_modules: ["keep"]``. Nothing is listed by the model itself.
     """
     import torch
-    import torch.nn.functional as F
 
     class Block(torch.nn.Module):
 
@@ -92,23 +115,7 @@ def make_tiny_net(dim, layers, keep_per_block, vocab=VOCAB):
                 out = out * (1 + self.keep.float().pow(2).mean()).to(out.dtype)
             return h + out
 
-    class TinyNet(torch.nn.Module):
-
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(vocab, dim)
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
-            self.final_norm = torch.nn.LayerNorm(dim)
-            self.head = torch.nn.Linear(dim, vocab, bias=False)
-
-        def forward(self, input_ids, labels):
-            h = self.embed(input_ids)
-            for block in self.blocks:
-                h = block(h)
-            logits = self.head(self.final_norm(h)).float()
-            return F.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
-
-    return TinyNet()
+    return _language_model(dim, layers, vocab, Block)
 
 
 # AutoEP (DeepSpeed's expert parallelism under ZeRO-3) replaces each block's ``moe`` with its own layer and router.
@@ -129,7 +136,6 @@ def make_autoep_net(dim, layers, experts=2, ffn=16, vocab=VOCAB):
     top-1 MoE block (a router ``gate`` and SwiGLU experts stored as 3-D tensors, as transformers 5 stores them), head,
     cross-entropy loss. Nothing is listed by the model itself; AutoEP's router computes in the activations' dtype."""
     import torch
-    import torch.nn.functional as F
 
     class Experts(torch.nn.Module):
 
@@ -159,23 +165,7 @@ def make_autoep_net(dim, layers, experts=2, ffn=16, vocab=VOCAB):
         def forward(self, h):
             return h + self.moe(self.norm(h))
 
-    class AutoEPNet(torch.nn.Module):
-
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(vocab, dim)
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
-            self.final_norm = torch.nn.LayerNorm(dim)
-            self.head = torch.nn.Linear(dim, vocab, bias=False)
-
-        def forward(self, input_ids, labels):
-            h = self.embed(input_ids)
-            for block in self.blocks:
-                h = block(h)
-            logits = self.head(self.final_norm(h)).float()
-            return F.cross_entropy(logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
-
-    return AutoEPNet()
+    return _language_model(dim, layers, vocab, Block)
 
 
 def make_lm_head_net(dim=64, vocab_out=8192, layers=1, vocab=VOCAB):

@@ -19,14 +19,22 @@ a constant learning rate of 1e-4, below bf16's resolution for values near 1 (2^-
 bf16 copy of a norm weight moves only when the optimizer's fp32 copy has drifted by half a bf16 step. After every
 step each rank gathers the listed parameters (the values the model computes with).
 
-The routing part (``--routing-steps``, ``--routing-lr``): what keeping buys for MoE routing. Tiny DeepSeek-V3,
-DeepSeek-V4 and ERNIE 4.5 MoE (``"auto"``) and gpt-oss (``["sinks"]``: its router does not cast its input to fp32,
-so its router is not listed) learn token sequences of a few topics (a router can learn to send each topic to its
-experts), with a learning rate that warms up, decays and ends in a small tail, where most updates are below bf16's
-resolution. Every ``--routing-steps // 20`` steps each run routes fixed held-out tokens: the study compares each
-token's top-k expert set, per MoE layer, with the fp32 run's, and the router weights, routing biases and sinks with
-the fp32 run's; it also applies the fp32 run's router to each bf16 run's router inputs (and each run's router to
-the fp32 run's inputs), to tell apart what the router's values and what its input change.
+The routing part (``--routing-setting``, ``--seeds``, ``--routing-steps``, ``--routing-lr``): what keeping buys for MoE
+routing, with its spread over seeds. Setting ``tiny``: tiny DeepSeek-V3, DeepSeek-V4 and ERNIE 4.5 MoE (``"auto"``)
+and gpt-oss (``["sinks"]``: its router does not cast its input to fp32, so its router is not listed), hidden 32, 4
+routed experts. Setting ``large``: DeepSeek-V3 (its list holds its router weight) and DeepSeek-V4 (its list holds its
+norms, hyper-connections and sinks, not its router weight) at hidden 256 with 8 routed experts, on more tokens.
+The models learn token sequences of a few topics (a router can learn to send each topic to its experts), with a
+learning rate that warms up, decays and ends in a small tail, where most updates are below bf16's resolution. Each
+seed draws the initial weights and the order of the data; the three runs of a seed share both. Every
+``--routing-steps // 20`` steps each run routes fixed held-out tokens: the study compares each token's top-k expert
+set, per MoE layer, with the fp32 run's, and the router weights, routing biases and sinks with the fp32 run's; it
+also applies the fp32 run's router to each bf16 run's router inputs (and each run's router to the fp32 run's
+inputs), to tell apart what the router's values and what its input change. What the list changes, each alone, on
+the fp32 run's weights after the runs: the forward (the listed tensors rounded to bf16 or not, everything else as
+the bf16 runs hold it), the gradients (the router weight's and the listed tensors' against fp32's) and the loading
+(the listed tensors' rounding at step 0). ``--parallel N`` runs N launches side by side (on one GPU, with
+``--world-size 1``: the GPU check's ``study`` part).
 
 The study prints and writes ``results.md`` (the tables) into ``--out`` and the plots into ``docs/images/`` (copied to
 ``--out``).
@@ -75,8 +83,67 @@ ROUTING_KEEP = {
     "ernie4_5_moe": "auto",
     "gpt_oss": ["sinks"],
 }
-# The routing part's data: sequences of TOPICS topics; its held-out tokens; its evaluations per run.
-TOPICS = 4
+# The routing part's settings: the models, the data (a vocabulary of ``vocab`` tokens in ``topics`` topics,
+# sequences of ``seq`` tokens) and the defaults of --seeds, --routing-steps, --routing-lr, --world-size,
+# --micro-batch and --parallel. The large setting runs each seed's runs on one rank, two launches side by side: on
+# 2 CPU cores about twice as fast as on two ranks (no gloo collectives), the same tokens per step.
+SETTINGS = {
+    "tiny":
+    dict(models=ROUTING_MODELS,
+         vocab=tiny_runs.VOCAB,
+         seq=tiny_runs.SEQ,
+         topics=4,
+         seeds=5,
+         steps=400,
+         lr=1e-3,
+         world_size=2,
+         micro_batch=8,
+         parallel=1),
+    "large":
+    dict(models=("deepseek_v3", "deepseek_v4"),
+         vocab=256,
+         seq=32,
+         topics=8,
+         seeds=5,
+         steps=400,
+         lr=1e-3,
+         world_size=1,
+         micro_batch=16,
+         parallel=2),
+}
+# The large setting's models: hidden 256, 2 MoE layers of 8 routed experts (top 2) and a shared expert.
+LARGE_SIZES = {
+    "deepseek_v3":
+    dict(vocab_size=256,
+         hidden_size=256,
+         intermediate_size=512,
+         moe_intermediate_size=128,
+         num_attention_heads=4,
+         num_key_value_heads=4,
+         n_routed_experts=8,
+         kv_lora_rank=64,
+         q_lora_rank=64,
+         qk_rope_head_dim=16,
+         qk_nope_head_dim=32,
+         v_head_dim=64,
+         max_position_embeddings=128),
+    "deepseek_v4":
+    dict(tiny_runs.SIZES["deepseek_v4"],
+         vocab_size=256,
+         hidden_size=256,
+         moe_intermediate_size=128,
+         head_dim=64,
+         q_lora_rank=64,
+         o_lora_rank=64,
+         n_routed_experts=8,
+         index_head_dim=32,
+         max_position_embeddings=128),
+}
+SETTING_TEXT = {
+    "tiny": "hidden 32, 2 MoE layers of 4 routed experts, top 2",
+    "large": "hidden 256, 2 MoE layers of 8 routed experts, top 2",
+}
+# Its held-out sequences; its evaluations per run.
 HELD_OUT, HELD_OUT_SEED = 64, 999_983
 EVALS = 20
 # Its learning rate, a factor of --routing-lr: linear warm-up over the first 5 % of the steps, cosine decay to TAIL
@@ -95,12 +162,15 @@ def describe_keep(keep):
     return '"auto"' if keep == "auto" else "[" + ", ".join(f'"{k}"' for k in keep) + "]"
 
 
-def routing_model(model_name, seed=0):
-    """The tiny ``model_name`` of the routing part, random init after ``torch.manual_seed(seed)``, its routing biases
-    drawn from N(0, BIAS_STD^2). ERNIE 4.5 MoE is not among the shared tiny models: its config is here."""
+def routing_model(model_name, seed=0, setting="tiny"):
+    """The ``model_name`` of the routing part's ``setting``, random init after ``torch.manual_seed(seed)``, its
+    routing biases drawn from N(0, BIAS_STD^2). ERNIE 4.5 MoE is not among the shared tiny models: its config is
+    here."""
     import torch
     import transformers
-    if model_name == "ernie4_5_moe":
+    if setting == "large":
+        model = tiny_runs.tiny_hf_models.tiny_model(model_name, seed=seed, **LARGE_SIZES[model_name])
+    elif model_name == "ernie4_5_moe":
         # hidden 32, 2 MoE layers of 4 experts (top 2) and a shared expert
         cfg = transformers.Ernie4_5_MoeConfig(vocab_size=tiny_runs.VOCAB,
                                               hidden_size=32,
@@ -131,20 +201,21 @@ def routing_model(model_name, seed=0):
     return model
 
 
-def topic_batch(n, seed):
-    """``n`` token sequences, each of one of TOPICS topics: a topic has its own quarter of the vocabulary and its own
-    order of it (a permutation); the next token is the current one's successor with probability 0.8, another token
-    of the topic with 0.15 and any token with 0.05. The same for a given ``seed`` in every run."""
+def topic_batch(n, seed, setting="tiny"):
+    """``n`` token sequences of the ``setting``, each of one of its topics: a topic has its own share of the
+    vocabulary and its own order of it (a permutation); the next token is the current one's successor with
+    probability 0.8, another token of the topic with 0.15 and any token with 0.05. The same for a given ``seed`` in
+    every run."""
     import torch
-    vocab, seq = tiny_runs.VOCAB, tiny_runs.SEQ
+    vocab, seq, topics = (SETTINGS[setting][k] for k in ("vocab", "seq", "topics"))
     g0 = torch.Generator().manual_seed(4242)  # the topics: the same in every call
-    tokens = torch.randperm(vocab, generator=g0).view(TOPICS, -1)
+    tokens = torch.randperm(vocab, generator=g0).view(topics, -1)
     per_topic = tokens.shape[1]
     successor = torch.empty(vocab, dtype=torch.long)
-    for t in range(TOPICS):
+    for t in range(topics):
         successor[tokens[t]] = tokens[t][torch.randperm(per_topic, generator=g0)]
     g = torch.Generator().manual_seed(seed)
-    topic = torch.randint(TOPICS, (n, ), generator=g)
+    topic = torch.randint(topics, (n, ), generator=g)
     ids = torch.empty(n, seq, dtype=torch.long)
     ids[:, 0] = tokens[topic, torch.randint(per_topic, (n, ), generator=g)]
     for i in range(1, seq):
@@ -247,20 +318,26 @@ def train(model_name, run, args, say_):
     gc.collect()
 
 
-def train_routing(model_name, run, args, say_):
-    """One run of the routing part: ``args.steps`` steps on topic sequences, the held-out tokens routed every
-    ``args.steps // EVALS`` steps (and before the first)."""
+def routing_dir(out, setting, model_name, seed):
+    return Path(out) / "models" / "routing" / setting / model_name / f"s{seed}"
+
+
+def routing_run(out, setting, model_name, seed, run):
+    return Path(out) / "runs" / f"routing.{setting}.{model_name}.s{seed}.{run}.pt"
+
+
+def train_routing(setting, model_name, seed, run, args, say_):
+    """One run of the routing part: ``args.steps`` steps on topic sequences in the order of ``seed``, the held-out
+    tokens routed every ``args.steps // EVALS`` steps (and before the first)."""
     import gc
     import torch
     import deepspeed
     import deepspeed.comm as dist
 
-    out = Path(args.out)
-    model_dir = out / "models" / "routing" / model_name
     rank, world = dist.get_rank(), dist.get_world_size()
     keep = [] if run == "bf16_none" else ROUTING_KEEP[model_name]
     ds_config = tiny_runs.zero3_config(args.micro_batch, bf16=run != "fp32", keep=None if keep == "auto" else keep)
-    model, hf_ds_config = tiny_runs.from_pretrained_zero3(model_dir, ds_config)
+    model, hf_ds_config = tiny_runs.from_pretrained_zero3(routing_dir(args.out, setting, model_name, seed), ds_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     steps = args.steps
 
@@ -283,7 +360,7 @@ def train_routing(model_name, run, args, say_):
     # The dtype of every parameter and buffer, as the run holds it (the analysis computes the fp32 run's weights so).
     dtypes = {n: str(p.ds_tensor.dtype).replace("torch.", "") for n, p in module.named_parameters()}
     dtypes.update({n: str(b.dtype).replace("torch.", "") for n, b in module.named_buffers()})
-    held_out = topic_batch(HELD_OUT, HELD_OUT_SEED)
+    held_out = topic_batch(HELD_OUT, HELD_OUT_SEED, setting).to(engine.device)
     every = max(1, steps // EVALS)
     evals, losses, t0 = [], [], time.time()
 
@@ -294,7 +371,7 @@ def train_routing(model_name, run, args, say_):
 
             def record(mod, inputs, output):
                 h = inputs[0].detach()
-                captured[name] = (h.reshape(-1, h.shape[-1]).float().clone(), output[-1].detach().sort(-1).values)
+                captured[name] = (h.reshape(-1, h.shape[-1]).float().cpu(), output[-1].detach().sort(-1).values.cpu())
 
             return record
 
@@ -304,7 +381,7 @@ def train_routing(model_name, run, args, say_):
         for h in handles:
             h.remove()
         with deepspeed.zero.GatheredParameters([t for t, is_param in tracked.values() if is_param]):
-            values = {n: t.detach().float().clone() for n, (t, _) in tracked.items()}
+            values = {n: t.detach().float().cpu() for n, (t, _) in tracked.items()}
         evals.append({
             "step": step,
             "loss": loss,
@@ -315,21 +392,22 @@ def train_routing(model_name, run, args, say_):
         })
         if run == "fp32":  # all its weights, for the analysis
             with deepspeed.zero.GatheredParameters(list(module.parameters())):
-                evals[-1]["state"] = {n: p.detach().clone() for n, p in module.named_parameters()}
-            evals[-1]["state"].update({n: b.detach().clone() for n, b in module.named_buffers()})
+                evals[-1]["state"] = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+            evals[-1]["state"].update({n: b.detach().cpu().clone() for n, b in module.named_buffers()})
 
-    say_(f"{MODELS[model_name]}, {RUNS[run]} (routing): {len(routers)} routers; "
-         f"{', '.join(f'{n} {k[0]} {k[1]}' for n, k in kinds.items() if '.0.' in n)}; {steps} steps on {world} ranks")
+    label = f"{MODELS[model_name]} ({setting}, seed {seed}), {RUNS[run]}"
+    if seed == 0:  # the dtypes, once per model and run
+        say_(f"{label}: {len(routers)} routers; "
+             f"{', '.join(f'{n} {k[0]} {k[1]}' for n, k in kinds.items() if '.0.' in n)}; {steps} steps on {world} "
+             f"rank{'s' if world > 1 else ''}")
     evaluate(engine, 0)
-    log_every = max(1, steps // 4)
     for step in range(1, steps + 1):
-        ids = topic_batch(args.micro_batch, seed=step * 1_009 + rank)
+        ids = topic_batch(args.micro_batch, seed=step * 1_009 + rank + seed * 1_000_003, setting=setting)
         losses.append(tiny_runs.train_step(engine, ids))
         if step % every == 0 or step == steps:
             evaluate(engine, step)
-        if step % log_every == 0 or step == steps:
-            say_(f"  step {step:4d}/{steps}  loss {losses[-1]:.4f}  held-out {evals[-1]['loss']:.4f}  lr "
-                 f"{evals[-1]['lr']:.2e}  ({(time.time() - t0) / step:.2f} s/step)")
+    say_(f"  {label}: loss {losses[-1]:.4f}, held-out {evals[-1]['loss']:.4f} after {steps} steps "
+         f"({(time.time() - t0) / steps:.3f} s/step)")
     if rank == 0:
         torch.save(
             {
@@ -339,7 +417,7 @@ def train_routing(model_name, run, args, say_):
                 "kinds": kinds,
                 "dtypes": dtypes,
                 "seconds": time.time() - t0,
-            }, out / "runs" / f"routing.{model_name}.{run}.pt")
+            }, routing_run(args.out, setting, model_name, seed, run))
     engine.destroy()
     del engine, model, optimizer, hf_ds_config
     gc.collect()
@@ -351,10 +429,18 @@ def train_routing(model_name, run, args, say_):
 
 
 def run_all(jobs, args, log_prefix=""):
-    """The ``jobs`` (part/model/run), in one launch on ``args.world_size`` ranks."""
-    codes = tiny_runs.launch(__file__, ",".join(jobs), args, log_prefix=log_prefix, timeout=3600)
-    if any(codes):
-        tiny_runs.fail(f"The study failed (exit codes {codes}); the end of the logs:", args, log_prefix)
+    """The ``jobs`` (part/...), in ``args.parallel`` launches side by side, each on ``args.world_size`` ranks."""
+    from concurrent.futures import ThreadPoolExecutor
+    n = max(1, min(args.parallel, len(jobs)))
+    shares = [jobs[i::n] for i in range(n)]
+    prefixes = [log_prefix + (f"{i}-" if n > 1 else "") for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        codes = list(
+            pool.map(lambda i: tiny_runs.launch(__file__, ",".join(shares[i]), args, prefixes[i], timeout=4 * 3600),
+                     range(n)))
+    for i, c in enumerate(codes):
+        if any(c):
+            tiny_runs.fail(f"The study failed (exit codes {c}); the end of the logs:", args, prefixes[i])
 
 
 def analyse(model_name, out):
@@ -430,18 +516,19 @@ def analyse(model_name, out):
     return info, rows, curves
 
 
-def analyse_routing(model_name, out):
-    """The routing part's numbers of one model: per run, per evaluation, the routing agreement with the fp32 run,
-    per layer, for the run itself, for the fp32 run's router on the run's router inputs and for the run's router on
-    the fp32 run's inputs; the held-out loss; the distance of the tracked tensors to the fp32 run's."""
+def analyse_routing(setting, model_name, seed, out):
+    """The routing part's numbers of one model and seed: per run, per evaluation, the routing agreement with the fp32
+    run, per layer, for the run itself, for the fp32 run's router on the run's router inputs and for the run's router
+    on the fp32 run's inputs; the held-out loss; the distance of the tracked tensors to the fp32 run's; and what the
+    list changes, each alone, on the fp32 run's weights: the forward, the gradients, the loading."""
     import torch
     import transformers
-    res = {run: torch.load(out / "runs" / f"routing.{model_name}.{run}.pt") for run in RUNS}
+    res = {run: torch.load(routing_run(out, setting, model_name, seed, run)) for run in RUNS}
     ref = res["fp32"]
     routers = ref["routers"]
+    model_dir = routing_dir(out, setting, model_name, seed)
     # The routers in fp32, to route given inputs with given values (a run's, at one evaluation).
-    model = transformers.AutoModelForCausalLM.from_pretrained(out / "models" / "routing" / model_name,
-                                                              dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     modules = dict(model.named_modules())
 
     def route(values, inputs):
@@ -458,26 +545,39 @@ def analyse_routing(model_name, out):
         return (a == b).all(-1).float().mean(-1)
 
     # The whole model, to route the held-out tokens with the fp32 run's weights in a run's dtypes.
-    full = transformers.AutoModelForCausalLM.from_pretrained(out / "models" / "routing" / model_name,
-                                                             dtype=torch.float32)
+    full = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     full_routers = routers_of(full)
-    held_out_ids = topic_batch(HELD_OUT, HELD_OUT_SEED)
+    held_out_ids = topic_batch(HELD_OUT, HELD_OUT_SEED, setting)
+
+    def load(state, dtypes):
+        """The fp32 run's weights ``state`` into ``full``, each tensor in its dtype in ``dtypes``."""
+        for n, t in [*full.named_parameters(), *full.named_buffers()]:
+            if n in state:
+                t.data = state[n].to(getattr(torch, dtypes.get(n, "float32")))
 
     def route_model(state, dtypes):
-        """The held-out tokens' top-k sets with the weights ``state``, each tensor in its dtype in ``dtypes``."""
+        """The held-out tokens' top-k sets and router logits with the weights ``state`` in ``dtypes``."""
         with torch.no_grad():
-            for n, t in [*full.named_parameters(), *full.named_buffers()]:
-                if n in state:
-                    t.data = state[n].to(getattr(torch, dtypes.get(n, "float32")))
-            topk = {}
+            load(state, dtypes)
+            out_ = {}
             handles = [
-                m.register_forward_hook(lambda mod, i, o, n=n: topk.__setitem__(n, o[-1].sort(-1).values))
+                m.register_forward_hook(lambda mod, i, o, n=n: out_.__setitem__(n, (o[-1].sort(-1).values, o[0])))
                 for n, m in full_routers
             ]
             full(input_ids=held_out_ids)
             for h in handles:
                 h.remove()
-        return torch.stack([topk[n] for n in routers])
+        return torch.stack([out_[n][0] for n in routers]), torch.stack([out_[n][1].float() for n in routers])
+
+    def gradients(state, dtypes, names):
+        """The held-out loss's gradients of ``names``, in fp32, with the weights ``state`` in ``dtypes``."""
+        load(state, dtypes)
+        full.zero_grad(set_to_none=True)
+        full(input_ids=held_out_ids, labels=held_out_ids).loss.backward()
+        params = dict(full.named_parameters())
+        # a parameter the loss does not reach (DeepSeek-V4's indexer, behind its top-k) has no gradient: 0
+        return torch.cat([(params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])).float().flatten()
+                          for n in names])
 
     names = list(ref["evals"][0]["values"])
     groups = {}
@@ -493,12 +593,14 @@ def analyse_routing(model_name, out):
     half_step = torch.exp2(torch.floor(torch.log2(weights.abs().clamp_min(1e-30))) - 8)
     below = float((half_step > ref["evals"][-1]["lr"]).float().mean())
     tail = [i for i, s in enumerate(steps) if s >= DECAY_END * steps[-1]]
+    # Whether the fp32 run's routing has settled: its top-k sets equal to those of its previous evaluation.
+    settled = float(torch.stack([agree(ref["evals"][i]["topk"], ref["evals"][i - 1]["topk"]) for i in tail]).mean())
     for run, r in res.items():
         own, ref_router, own_router, dist = [], [], [], {g: [] for g in groups}
         compute = []  # the fp32 run's weights in this run's dtypes
         for e, e_ref in zip(r["evals"], ref["evals"]):
             own.append(agree(e["topk"], e_ref["topk"]))
-            compute.append(agree(route_model(e_ref["state"], r["dtypes"]), e_ref["topk"]))
+            compute.append(agree(route_model(e_ref["state"], r["dtypes"])[0], e_ref["topk"]))
             ref_router.append(agree(route(e_ref["values"], e["inputs"]), e_ref["topk"]))
             own_router.append(agree(route(e["values"], e_ref["inputs"]), e_ref["topk"]))
             for g, ns in groups.items():
@@ -507,7 +609,7 @@ def analyse_routing(model_name, out):
                 dist[g].append((float((a - b).norm() / b.norm().clamp_min(1e-30)), float((a - b).abs().max())))
         own, ref_router, own_router, compute = (torch.stack(x) for x in (own, ref_router, own_router, compute))
         # At step 0 the runs start from the fp32 run's weights: offline, they must route as in training.
-        offline_0 = agree(route_model(ref["evals"][0]["state"], r["dtypes"]), r["evals"][0]["topk"])
+        offline_0 = agree(route_model(ref["evals"][0]["state"], r["dtypes"])[0], r["evals"][0]["topk"])
         held_out = torch.tensor([e["loss"] for e in r["evals"]])
         ref_held_out = torch.tensor([e["loss"] for e in ref["evals"]])
         kept = {}
@@ -544,6 +646,48 @@ def analyse_routing(model_name, out):
             "compute": compute.mean(-1).tolist(),
             "held_out_diff": (held_out - ref_held_out).tolist(),
         }
+
+    # What the list changes, each alone, on the fp32 run's weights (the analysis model, plain torch, one process).
+    list_dtypes, none_dtypes = res["bf16_list"]["dtypes"], res["bf16_none"]["dtypes"]
+    params = dict(full.named_parameters())
+    listed = [n for n in params if list_dtypes.get(n) == "float32" and none_dtypes.get(n) != "float32"]
+    router_weights = [f"{n}.weight" for n in routers]
+    # the listed parameters that train, but a router weight (DeepSeek-V3's and ERNIE's list holds theirs)
+    others = [n for n in listed if params[n].requires_grad and n not in router_weights]
+    forward_flip, forward_logits = [], []
+    for i in tail:
+        state = ref["evals"][i]["state"]
+        (topk_list, logits_list), (topk_none, logits_none) = (route_model(state, d) for d in (list_dtypes, none_dtypes))
+        forward_flip.append(1 - float(agree(topk_list, topk_none).mean()))
+        forward_logits.append(float((logits_none - logits_list).norm() / logits_list.norm()))
+    # The gradients at the first evaluation of the tail: in fp32, in the list's dtypes and in []'s.
+    state = ref["evals"][tail[0]]["state"]
+    grads = {k: gradients(state, d, router_weights + others) for k, d in (("fp32", {}), ("list", list_dtypes),
+                                                                          ("none", none_dtypes))}
+    split = sum(params[n].numel() for n in router_weights)
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    start = ref["evals"][0]["state"]
+    loaded = torch.cat([start[n].flatten() for n in listed])
+    cause = {
+        # the forward: the listed tensors rounded or not, everything else in bf16 (the tail's evaluations)
+        "forward_flip": sum(forward_flip) / len(forward_flip),
+        "forward_logits": sum(forward_logits) / len(forward_logits),
+        "forward_gain": rows["bf16_list"]["compute_tail"] - rows["bf16_none"]["compute_tail"],
+        # the gradients, against fp32's
+        "grad_router": {k: rel(grads[k][:split], grads["fp32"][:split])
+                        for k in ("list", "none")},
+        "grad_others": {k: rel(grads[k][split:], grads["fp32"][split:]) if others else 0.0
+                        for k in ("list", "none")},
+        # the loading: the listed tensors' rounding, and what it changes at step 0
+        "load_rounding": rel(loaded.bfloat16().float(), loaded),
+        "load_gain": rows["bf16_list"]["agree_0"] - rows["bf16_none"]["agree_0"],
+        # the router weights' distance to the fp32 run's at the end
+        "router_drift": {k: rows[r]["dist_final"]["router weight"][0]
+                         for k, r in (("list", "bf16_list"), ("none", "bf16_none"))},
+    }
     info = {
         "layers": len(routers),
         "tokens": int(ref["evals"][0]["topk"].shape[1]),
@@ -555,42 +699,127 @@ def analyse_routing(model_name, out):
         "reproduced": reproduced,
         "offline_0": min(r["offline_0"] for r in rows.values()),
         "below": below,
+        "settled": settled,
         "tail_lr": ref["evals"][-1]["lr"],
         "tail_steps": (steps[tail[0]], steps[-1], len(tail)),
+        "cause": cause,
+        "listed": listed,
+        "others": others,
     }
     return info, rows, curves
 
 
+def interval(xs):
+    """Mean and the half-width of its 95 % interval (Student's t) over the values ``xs`` (one per seed)."""
+    import statistics
+    t = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    return m, t.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def over_seeds(per_seed):
+    """One model's per-seed results (seed: (info, rows, curves)) as one: every number of a row, of ``info["cause"]``
+    and of the curves as (mean, half-width of the 95 % interval) over the seeds; the paired differences list - []
+    per seed."""
+    seeds = sorted(per_seed)
+
+    def merge(values):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: merge([v[k] for v in values]) for k in first}
+        if isinstance(first, (list, tuple)) and first and isinstance(first[0], (int, float)):
+            return [merge([v[i] for v in values]) for i in range(len(first))]
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            return interval([float(v) for v in values])
+        return first
+
+    info = dict(per_seed[seeds[0]][0])
+    info["cause"] = merge([per_seed[s][0]["cause"] for s in seeds])
+    info["settled"] = merge([per_seed[s][0]["settled"] for s in seeds])
+    info["below"] = merge([per_seed[s][0]["below"] for s in seeds])
+    info["reproduced"] = min(per_seed[s][0]["reproduced"] for s in seeds)
+    info["offline_0"] = min(per_seed[s][0]["offline_0"] for s in seeds)
+    info["seeds"] = seeds
+    rows = {run: merge([per_seed[s][1][run] for s in seeds]) for run in RUNS}
+    curves = {k: merge([per_seed[s][2][k] for s in seeds]) for k in per_seed[seeds[0]][2] if k in RUNS}
+    curves["steps"] = per_seed[seeds[0]][2]["steps"]
+    paired = {}
+    for key in ("agree_tail", "compute_tail", "held_out_diff_tail", "agree_0"):
+        d = [per_seed[s][1]["bf16_list"][key] - per_seed[s][1]["bf16_none"][key] for s in seeds]
+        paired[key] = {"per_seed": d, "interval": interval(d)}
+    info["paired"] = paired
+    return info, rows, curves
+
+
+def pm(x, scale=100, digits=1, unit=" %", sign=""):
+    """``(mean, half-width)`` as ``mean ± half-width`` (scaled); a plain number as itself."""
+    m, h = x if isinstance(x, (list, tuple)) else (x, float("nan"))
+    text = f"{scale * m:{sign}.{digits}f}"
+    return text + (f" ± {scale * h:.{digits}f}" if h == h else "") + unit
+
+
+def sci_pm(x, sign=""):
+    m, h = x
+    return f"{m:{sign}.1e}" + (f" ± {h:.0e}" if h == h else "")
+
+
+def verdict(paired):
+    """Whether the list and [] differ beyond the spread: the 95 % interval of the paired difference excludes 0."""
+    m, h = paired["interval"]
+    if h != h:
+        return "one seed: no spread"
+    return "list above []" if m - h > 0 else ("list below []" if m + h < 0 else "within the spread")
+
+
 def routing_tables(results):
-    """The routing part's tables: routing agreement and losses; the values of the tracked tensors."""
-
-    def pct(x):
-        return f"{100 * x:.1f} %"
-
-    agreement = []
-    values = []
+    """The routing part's tables: agreement and losses (mean ± 95 % interval over seeds); list - [] per seed; what
+    the list changes, each alone; the values of the tracked tensors."""
+    agreement, paired, cause, values = [], [], [], []
     for model_name, (info, rows, _) in results.items():
         for run in RUNS:
             r = rows[run]
             label = run_label(model_name, run, ROUTING_KEEP)
             ref = run == "fp32"
-            agreement.append((MODELS[model_name], label, "-" if ref else pct(r["agree_0"]),
-                              "-" if ref else " / ".join(pct(x) for x in r["agree_final_layers"]),
-                              "-" if ref else pct(r["agree_tail"]), "-" if ref else pct(r["compute_tail"]),
-                              "-" if ref else pct(r["ref_router_tail"]), "-" if ref else pct(r["own_router_tail"]),
-                              f"{r['held_out_final']:.4f}", "-" if ref else f"{r['held_out_diff_tail']:+.1e}"))
+            agreement.append((MODELS[model_name], label, "-" if ref else pm(r["agree_0"]),
+                              "-" if ref else pm(r["agree_tail"]), "-" if ref else pm(r["compute_tail"]),
+                              "-" if ref else pm(r["ref_router_tail"]), "-" if ref else pm(r["own_router_tail"]),
+                              pm(r["held_out_final"], 1, 4, ""),
+                              "-" if ref else sci_pm(r["held_out_diff_tail"], "+")))
             for g, n in info["groups"].items():
-                values.append(
-                    (MODELS[model_name], label, f"{g} ({n})", r["kept"][g], "-" if ref else f"{r['dist_0'][g][0]:.1e}",
-                     "-" if ref else f"{r['dist_final'][g][0]:.1e}", "-" if ref else f"{r['dist_final'][g][1]:.1e}"))
-    header_a = ("model", "run", "agreement at step 0", "agreement, last evaluation, per layer", "agreement, tail mean",
-                "fp32 run's weights in this run's dtypes, tail mean",
-                "fp32 run's router on this run's inputs, tail mean",
+                values.append((MODELS[model_name], label, f"{g} ({n})", r["kept"][g],
+                               "-" if ref else f"{r['dist_0'][g][0][0]:.1e}",
+                               "-" if ref else sci_pm(r["dist_final"][g][0]),
+                               "-" if ref else f"{r['dist_final'][g][1][0]:.1e}"))
+        pr = info["paired"]
+        paired.append((MODELS[model_name], len(info["seeds"]), pm(pr["agree_tail"]["interval"], sign="+"),
+                       " / ".join(f"{100 * d:+.1f}" for d in pr["agree_tail"]["per_seed"]),
+                       pm(pr["compute_tail"]["interval"], sign="+"), sci_pm(pr["held_out_diff_tail"]["interval"], "+"),
+                       verdict(pr["agree_tail"])))
+        c = info["cause"]
+        cause.append((MODELS[model_name], describe_keep(ROUTING_KEEP[model_name]), pm(c["forward_flip"], digits=2),
+                       sci_pm(c["forward_logits"]), pm(c["forward_gain"], digits=2, sign="+"),
+                       f"{sci_pm(c['grad_router']['list'])} / {sci_pm(c['grad_router']['none'])}",
+                       f"{sci_pm(c['grad_others']['list'])} / {sci_pm(c['grad_others']['none'])}"
+                       if info["others"] else "- (none but the router weight)", sci_pm(c["load_rounding"]),
+                       pm(c["load_gain"], digits=2, sign="+"),
+                       f"{sci_pm(c['router_drift']['list'])} / {sci_pm(c['router_drift']['none'])}"))
+    header_a = ("model", "run", "agreement at step 0", "agreement, tail mean", "fp32 run's weights in this run's "
+                "dtypes, tail mean", "fp32 run's router on this run's inputs, tail mean",
                 "this run's router on the fp32 run's inputs, tail mean", "held-out loss, last",
                 "held-out loss - fp32's, tail mean")
+    header_p = ("model", "seeds", "agreement, tail mean: list - [] (points)", "per seed", "of it, the forward alone "
+                "(fp32 run's weights in the two runs' dtypes)", "held-out loss, tail mean: list - []", "verdict")
+    header_c = ("model", "list", "forward: top-k sets that rounding the listed tensors changes",
+                "forward: router logits, rel. change", "forward: agreement with fp32, list - []",
+                "router weight's gradient, rel. error to fp32's: list / []",
+                "other listed tensors' gradients, rel. error: list / []", "loading: listed tensors' rel. rounding",
+                "loading: agreement at step 0, list - []", "router weight, rel. L2 diff to fp32's at the end: "
+                "list / []")
     header_v = ("model", "run", "tensors (elements)", "held as", "rel. L2 diff to fp32 at step 0",
                 "rel. L2 diff to fp32, last", "max abs diff to fp32, last")
-    return (header_a, agreement), (header_v, values)
+    return (header_a, agreement), (header_p, paired), (header_c, cause), (header_v, values)
 
 
 def run_label(model_name, run, keep=None):
@@ -707,45 +936,63 @@ def plot(results, args, out):
     return paths
 
 
-def plot_routing(results, args, out):
-    """The routing agreement over the steps, and the held-out loss against the fp32 run's."""
+def plot_routing(results, args, out, setting):
+    """The routing agreement over the steps and the held-out loss against the fp32 run's, each a mean over the seeds
+    with its 95 % interval; and per model the tail's agreement, list - [], per seed, against what the forward alone
+    gives."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
     colors = {"bf16_list": "tab:blue", "bf16_none": "tab:red"}
     lists = "; ".join(f"{MODELS[m]} {describe_keep(ROUTING_KEEP[m])}" for m in results)
     labels = {"bf16_list": f"bf16 + list ({lists})", "bf16_none": "bf16 []"}
-    fig, axes = plt.subplots(2, len(results), figsize=(4.6 * len(results), 6.8), sharex=True, squeeze=False)
+    n = len(results)
+    fig, axes = plt.subplots(3, n, figsize=(4.6 * n, 9.6), squeeze=False, gridspec_kw={"height_ratios": [3, 2, 2]})
     for col, (model_name, (info, _, curves)) in enumerate(results.items()):
-        steps = curves["steps"]
-        ax = axes[0, col]
-        for run in ("bf16_list", "bf16_none"):
-            ax.plot(steps, [100 * x for x in curves[run]["agree"]], "-o", ms=3, color=colors[run], label=labels[run])
-            ax.plot(steps, [100 * x for x in curves[run]["compute"]],
-                    ":",
-                    color=colors[run],
-                    lw=1.3,
-                    label=f"the fp32 run's weights in the dtypes of {labels[run].split(' (')[0]}")
-        ax.set_title(f"{MODELS[model_name]}: top-{info['k']} sets equal to fp32's", fontsize=10)
-        ax.set_ylabel("% of held-out tokens x layers")
-        ax.grid(alpha=0.3)
-        ax = axes[1, col]
+        steps = np.array(curves["steps"])
+        seeds = len(info["seeds"])
+        for row, key, scale in ((0, "agree", 100), (1, "held_out_diff", 1)):
+            ax = axes[row, col]
+            for run in ("bf16_list", "bf16_none"):
+                m, h = (scale * np.array([x[i] for x in curves[run][key]]) for i in (0, 1))
+                ax.plot(steps, m, "-o", ms=2.5, color=colors[run], label=labels[run] + f", mean of {seeds} seeds")
+                ax.fill_between(steps, m - h, m + h, color=colors[run], alpha=0.18, lw=0,
+                                label=f"95 % interval over the seeds ({labels[run].split(' (')[0]})")
+                if key == "agree":
+                    ax.plot(steps, [scale * x[0] for x in curves[run]["compute"]], ":", color=colors[run], lw=1.3,
+                            label=f"the fp32 run's weights in the dtypes of {labels[run].split(' (')[0]}")
+            ax.axvspan(info["tail_steps"][0], steps[-1], color="0.92", zorder=0)
+            ax.grid(alpha=0.3)
+        axes[0, col].set_title(f"{MODELS[model_name]}: top-{info['k']} sets equal to fp32's", fontsize=10)
+        axes[0, col].set_ylabel("% of held-out tokens x layers")
+        axes[1, col].axhline(0, color="black", lw=0.8)
+        axes[1, col].set_title("held-out loss minus the fp32 run's", fontsize=10)
+        axes[1, col].set_xlabel("step")
+        axes[1, col].set_ylabel("loss difference")
+        ax = axes[2, col]
+        pr = info["paired"]
+        for x, key, color, name in ((0, "agree_tail", "tab:purple", "training"),
+                                    (1, "compute_tail", "0.4", "forward alone")):
+            d = 100 * np.array(pr[key]["per_seed"])
+            m, h = (100 * v for v in pr[key]["interval"])
+            ax.plot(np.full(len(d), x) + np.linspace(-0.12, 0.12, len(d)), d, "o", ms=4, color=color, alpha=0.7)
+            ax.errorbar([x + 0.3], [m], yerr=[[h if h == h else 0]], fmt="s", color=color, capsize=5)
         ax.axhline(0, color="black", lw=0.8)
-        for run in ("bf16_list", "bf16_none"):
-            ax.plot(steps, curves[run]["held_out_diff"], "-o", ms=3, color=colors[run])
-        ax.set_title("held-out loss minus the fp32 run's", fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss difference")
-        ax.grid(alpha=0.3)
-        tail = info["tail_steps"][0]
-        for row in range(2):
-            axes[row, col].axvspan(tail, steps[-1], color="0.92", zorder=0)
+        ax.set_xticks([0, 1], ["agreement,\nlist - []", "the forward alone:\nfp32 weights in\nthe dtypes, list - []"],
+                      fontsize=8)
+        ax.set_xlim(-0.5, 1.6)
+        ax.set_ylabel("points, tail mean")
+        ax.set_title(f"per seed (dots), mean and 95 % interval: {verdict(pr['agree_tail'])}", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
     handles, names = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=2, fontsize=8)
-    fig.suptitle(f"MoE routing, ZeRO-3 bf16 against fp32: {args.routing_steps} AdamW steps, lr peak "
-                 f"{args.routing_lr:g}, tail {TAIL * args.routing_lr:g} from step {info['tail_steps'][0]} (grey)")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    path = IMAGES / "accuracy_routing.png"
+    setting_text = SETTING_TEXT[setting]
+    fig.suptitle(f"MoE routing ({setting}: {setting_text}), ZeRO-3 bf16 against fp32, {len(info['seeds'])} seeds:\n"
+                 f"{args.routing_steps} AdamW steps, lr peak {args.routing_lr:g}, tail {TAIL * args.routing_lr:g} "
+                 f"from step {info['tail_steps'][0]} (grey)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    path = IMAGES / ("accuracy_routing.png" if setting == "tiny" else f"accuracy_routing_{setting}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     shutil.copy(path, out / path.name)
@@ -770,9 +1017,13 @@ def machine():
 
 
 def work(job, args, say_):
-    """One job of a rank: ``values/MODEL/RUN`` or ``routing/MODEL/RUN``."""
-    part, model_name, run = job.split("/")
-    (train if part == "values" else train_routing)(model_name, run, args, say_)
+    """One job of a rank: ``values/MODEL/RUN`` or ``routing/SETTING/MODEL/SEED/RUN``."""
+    part, *rest = job.split("/")
+    if part == "values":
+        train(*rest, args, say_)
+    else:
+        setting, model_name, seed, run = rest
+        train_routing(setting, model_name, int(seed), run, args, say_)
 
 
 def values_markdown(results, meta, args, paths):
@@ -815,107 +1066,119 @@ def values_markdown(results, meta, args, paths):
     return md
 
 
-def routing_markdown(results, args, path):
+def routing_markdown(results, args, path, setting):
     """The routing part of results.md (and what it prints)."""
-
-    def pct(x):
-        return f"{100 * x:.1f} %"
-
-    def compare(a, b):
-        return "above" if round(100 * a, 1) > round(
-            100 * b, 1) else ("below" if round(100 * a, 1) < round(100 * b, 1) else "the same as")
-
     names = ", ".join(MODELS[m] for m in results)
     info0 = next(iter(results.values()))[0]
     first_tail, last, n_tail = info0["tail_steps"]
     every = max(1, args.routing_steps // EVALS)
     tail_lr = TAIL * args.routing_lr
-    below = ", ".join(f"{MODELS[m]} {pct(info['below'])}" for m, (info, _, _) in results.items())
+    cfg = SETTINGS[setting]
+    seeds = len(info0["seeds"])
+    below = ", ".join(f"{MODELS[m]} {pm(info['below'])}" for m, (info, _, _) in results.items())
+    settled = ", ".join(f"{MODELS[m]} {pm(info['settled'])}" for m, (info, _, _) in results.items())
     md = [
-        "## MoE routing: what keeping buys for the router",
+        f"## MoE routing ({setting}): what keeping buys for the router, over {seeds} seeds",
         "",
-        f"Tiny {names} (hidden 32, 2 MoE layers of 4 routed experts, top 2; a shared expert but in gpt-oss), random "
-        f"init (seed 0), the routing biases (`e_score_correction_bias`) drawn from N(0, {BIAS_STD:g}^2), as a trained "
-        "checkpoint's are not zero; the same three runs each, ZeRO-3 on "
-        f"{args.world_size} ranks, {args.routing_steps} steps of AdamW (no weight decay), {args.world_size} x "
-        f"{args.micro_batch} sequences of {tiny_runs.SEQ} tokens per step. The learning rate warms up over "
-        f"{WARMUP:.0%} of the steps to {args.routing_lr:g}, decays (cosine) to {tail_lr:g} at step "
-        f"{round(DECAY_END * args.routing_steps)} and stays there: in this tail an update of about {tail_lr:g} is "
-        "below half a bf16 step for every value above about 0.005 (for this share of the fp32 run's router weight "
-        f"elements at the end: {below}). The data: sequences of {TOPICS} topics, each with its own quarter of the "
-        "vocabulary and its own order of it (a token's successor with probability 0.8, another token of the topic "
-        "with 0.15, any token with 0.05), a structure a router can learn. Every "
-        f"{every} steps each run routes the same {info0['tokens']} held-out tokens (one forward, no update): the "
-        f"share of tokens whose top-{info0['k']} expert set in a layer equals the fp32 run's, per layer and over the "
-        "layers; the held-out loss; the router weights, routing biases and sinks against the fp32 run's.",
+        f"{names} ({SETTING_TEXT[setting]}; a shared expert but in gpt-oss), random init, the routing biases "
+        f"(`e_score_correction_bias`) drawn from N(0, {BIAS_STD:g}^2), as a trained checkpoint's are not zero; "
+        f"{seeds} seeds (0 to {seeds - 1}), each drawing the initial weights and the order of the training data; per "
+        f"seed the same three runs from the same weights on the same data, ZeRO-3 on {args.world_size} "
+        f"rank{'s' if args.world_size > 1 else ''}, {args.routing_steps} steps of AdamW (no weight decay), "
+        f"{args.world_size} x {args.micro_batch} sequences of "
+        f"{cfg['seq']} tokens per step. The learning rate warms up over {WARMUP:.0%} of the steps to "
+        f"{args.routing_lr:g}, decays (cosine) to {tail_lr:g} at step {round(DECAY_END * args.routing_steps)} and "
+        f"stays there: in this tail an update of about {tail_lr:g} is below half a bf16 step for every value above "
+        f"about 0.005 (for this share of the fp32 run's router weight elements at the end: {below}). The data: a "
+        f"vocabulary of {cfg['vocab']} tokens in {cfg['topics']} topics, each with its own share of the vocabulary "
+        "and its own order of it (a token's successor with probability 0.8, another token of the topic with 0.15, "
+        f"any token with 0.05), a structure a router can learn. Every {every} steps each run routes the same "
+        f"{info0['tokens']} held-out tokens (one forward, no update): the share of tokens whose top-{info0['k']} "
+        "expert set in a layer equals the fp32 run's, over the layers; the held-out loss; the router weights, "
+        "routing biases and sinks against the fp32 run's. The fp32 run's routing has settled in the tail: the share "
+        f"of its top-{info0['k']} sets equal to those of its previous evaluation, tail mean: {settled}.",
         "",
-        "What the bf16 + list runs keep: DeepSeek-V3 and ERNIE 4.5 MoE (`\"auto\"`: `gate.weight`, "
-        "`e_score_correction_bias`): the router weight, a parameter, and the routing bias, a buffer in DeepSeek-V3 "
-        "(which DeepSpeed 0.19.8's own `\"auto\"` keeps in fp32 already) and in ERNIE a parameter without gradient "
-        "(`gate.moe_statics.e_score_correction_bias`). DeepSeek-V4 (`\"auto\"`): its norms, hyper-connections, sinks "
-        "(parameters) and its routing bias (a buffer), not its router weight, which it does not list (its router "
-        "computes in the input's dtype). gpt-oss lists nothing for bf16 and runs with `[\"sinks\"]` (parameters); its "
-        "router computes in the input's dtype too, so it is not listed. The bf16 [] runs hold all of these in bf16, "
-        "the buffers too. The column \"held as\" of the second table says what each run held.",
+        "What the bf16 + list runs keep: DeepSeek-V3 and ERNIE 4.5 MoE (`\"auto\"`): the router weight (a "
+        "parameter) and the routing bias (a buffer in DeepSeek-V3, which DeepSpeed 0.19.8's own `\"auto\"` keeps in "
+        "fp32 already; in ERNIE a parameter without gradient). DeepSeek-V4 (`\"auto\"`): its norms, "
+        "hyper-connections, sinks (parameters) and its routing bias (a buffer), not its router weight, which it does "
+        "not list. gpt-oss lists nothing for bf16 and runs with `[\"sinks\"]`. The bf16 [] runs hold all of these in "
+        "bf16, the buffers too.",
+        "",
+        "Every number is a mean over the seeds ± the half-width of its 95 % interval (Student's t, "
+        f"{seeds - 1} degrees of freedom). list - [] is taken per seed (the two runs of a seed share weights and "
+        "data) before the mean; \"list above []\" or \"below\" where its interval excludes 0, \"within the "
+        "spread\" where it does not.",
         "",
         f"### Routing agreement with the fp32 run, and held-out loss (tail: the {n_tail} evaluations of steps "
         f"{first_tail} to {last})",
         "",
     ]
-    (header_a, agreement), (header_v, values) = routing_tables(results)
-    md += [markdown_table(header_a, agreement), ""]
-    md += [
-        "### Router weights, routing biases and sinks against the fp32 run's", "",
-        markdown_table(header_v, values), ""
-    ]
-    print("\nMoE routing: agreement with the fp32 run")
-    print(text_table(header_a, agreement))
-    print("\nMoE routing: the tracked tensors against the fp32 run's")
-    print(text_table(header_v, values))
+    tables = routing_tables(results)
+    titles = ("MoE routing: agreement with the fp32 run", "list - [], per seed", "What the list changes, each alone",
+              "The tracked tensors against the fp32 run's")
+    md_titles = (None, "### list - [], per seed",
+                 "### What the list changes, each alone (the fp32 run's weights, in plain torch after the runs)",
+                 "### Router weights, routing biases and sinks against the fp32 run's (mean over the seeds)")
+    for (header, rows), title, md_title in zip(tables, titles, md_titles):
+        if md_title:
+            md += [md_title, ""]
+        md += [markdown_table(header, rows), ""]
+        print(f"\n{title}")
+        print(text_table(header, rows))
     per_model = []
     for model_name, (info, rows, _) in results.items():
-        lst, none = rows["bf16_list"], rows["bf16_none"]
+        lst, none, c, pr = rows["bf16_list"], rows["bf16_none"], info["cause"], info["paired"]
         label = describe_keep(ROUTING_KEEP[model_name])
         per_model.append(
-            f"{MODELS[model_name]}: over the tail, {label} routes {pct(lst['agree_tail'])} of the held-out tokens x "
-            f"layers as the fp32 run does, {compare(lst['agree_tail'], none['agree_tail'])} [] "
-            f"({pct(none['agree_tail'])}); the fp32 run's weights in the dtypes of {label}: "
-            f"{pct(lst['compute_tail'])}, in those of []: {pct(none['compute_tail'])}; at step 0 {label} "
-            f"{pct(lst['agree_0'])}, [] {pct(none['agree_0'])}. The fp32 run's router on the inputs of {label}: "
-            f"{pct(lst['ref_router_tail'])}; the router of {label} on the fp32 run's inputs: "
-            f"{pct(lst['own_router_tail'])}. Held-out loss minus the fp32 run's over the tail: "
-            f"{lst['held_out_diff_tail']:+.1e} with {label}, {none['held_out_diff_tail']:+.1e} with [].")
+            f"{MODELS[model_name]}: over the tail, {label} routes {pm(lst['agree_tail'])} of the held-out tokens x "
+            f"layers as the fp32 run does, [] {pm(none['agree_tail'])}; list - [] per seed "
+            f"{pm(pr['agree_tail']['interval'], sign='+', unit=' points')}: {verdict(pr['agree_tail'])}. "
+            f"Of it, the forward alone (the fp32 run's weights in the two runs' dtypes): "
+            f"{pm(pr['compute_tail']['interval'], sign='+', unit=' points')}; rounding the listed tensors changes "
+            f"{pm(c['forward_flip'], digits=2)} of the top-{info['k']} sets and the router logits by "
+            f"{sci_pm(c['forward_logits'])} (relative). The router weight's gradient is "
+            f"{sci_pm(c['grad_router']['list'])} off fp32's with the list, {sci_pm(c['grad_router']['none'])} with "
+            f"[]; at the end the router weight is {sci_pm(c['router_drift']['list'])} from the fp32 run's with the "
+            f"list, {sci_pm(c['router_drift']['none'])} with []. Loading rounds the listed tensors by "
+            f"{sci_pm(c['load_rounding'])}: agreement at step 0, list - [], {pm(c['load_gain'], digits=2, sign='+')}. "
+            f"Held-out loss minus the fp32 run's over the tail: {sci_pm(lst['held_out_diff_tail'], '+')} with "
+            f"{label}, {sci_pm(none['held_out_diff_tail'], '+')} with [].")
     notes = [
         "\"agreement\": the share of held-out tokens x MoE layers whose top-k expert set (the indices, in any order) "
-        "equals the fp32 run's at the same step; per layer in the \"last evaluation\" column. \"tail mean\": the mean "
-        "over the evaluations in the tail.",
+        "equals the fp32 run's at the same step. \"tail mean\": the mean over the evaluations in the tail.",
         "Where the disagreement of a bf16 run comes from. In a bf16 run the router's input, the hidden state, is "
-        "computed in bf16 by the bf16 rest of the model, and the gradients of every weight, the router's included, "
-        "come from that bf16 forward and backward; keeping the router's own tensors in fp32 changes neither. Two "
-        "columns measure it. \"fp32 run's weights in this run's dtypes\": at each evaluation the fp32 run's own "
-        "weights, each rounded to the dtype this run holds it in, route the held-out tokens (the model class in plain "
-        "torch, after the runs): what computing in bf16 costs where no weight has drifted; at step 0 this is the run "
-        "itself. The rest of a run's disagreement comes from its weights, which have drifted from the fp32 run's: "
-        "they took gradients from bf16 compute, and those held in bf16 also lost updates to rounding. With the list "
-        "the router's weight (DeepSeek-V3, ERNIE) is held and updated in fp32, so its drift is that of its gradients "
-        "(second table). \"fp32 run's router on this run's inputs\" routes the run's recorded router inputs with the "
-        "fp32 run's router (weights and biases of that step, in fp32): what the drift of the inputs alone costs; "
-        "\"this run's router on the fp32 run's inputs\": what the drift of the router's values alone costs. Each "
-        "setting ran once: how much the drift, and so the agreement, varies from one run to another (another seed, "
-        "another data order) is not measured here.",
+        "computed in bf16 by the bf16 rest of the model, and the gradients of every weight come from that bf16 "
+        "forward and backward; under ZeRO every parameter has an fp32 master either way. What the list changes: the "
+        "values the forward computes with (the listed tensors unrounded), the precision of the listed tensors' "
+        "gradients and their reduction, and the loaded values (exact). \"fp32 run's weights in this run's dtypes\": "
+        "the fp32 run's own weights, each rounded to the dtype this run holds it in, route the held-out tokens: what "
+        "computing in bf16 costs where no weight has drifted; list - [] of it is the forward alone. The rest of a "
+        "run's disagreement comes from its weights, which drifted from the fp32 run's over training. \"fp32 run's "
+        "router on this run's inputs\": what the drift of the router's inputs alone costs; \"this run's router on "
+        "the fp32 run's inputs\": what the drift of the router's values alone costs.",
+        "\"What the list changes, each alone\" (the third table), on the fp32 run's weights with the held-out tokens, "
+        "in one process: the forward, at each evaluation of the tail, with every tensor in the dtype of the list run "
+        "against the dtype of the [] run (only the listed tensors differ); the gradients of the loss at the first "
+        "evaluation of the tail, in fp32, in the list run's dtypes and in the [] run's (no reduction over ranks: "
+        "ZeRO-3 on 2 ranks adds one rounding of the bf16 gradients in the [] run); the loading, the listed tensors "
+        "at step 0 rounded to bf16.",
         "Checks: offline, the fp32 run's routers route its own recorded inputs as in training for "
-        f"{pct(min(i['reproduced'] for i, _, _ in results.values()))} of the tokens or more in every evaluation, and "
-        "the offline model routes each run's step 0 as the run did for "
-        f"{pct(min(i['offline_0'] for i, _, _ in results.values()))} or more.",
+        f"{pm(min(i['reproduced'] for i, _, _ in results.values()))} of the tokens or more in every evaluation of "
+        "every seed, and the offline model routes each run's step 0 as the run did for "
+        f"{pm(min(i['offline_0'] for i, _, _ in results.values()))} or more.",
         *per_model,
         "\"rel. L2 diff\": ||value - fp32 value|| / ||fp32 value|| over the tensors of the row; at step 0 it is what "
         "loading into the run's dtype did to the checkpoint's values. A routing bias has no gradient: it keeps its "
         "loaded value.",
-        "Each run's training loss, mean of its last 20 steps (fp32, list, []): " +
-        "; ".join(f"{MODELS[m]} " + ", ".join(f"{rows[r]['train_loss_final']:.4f}" for r in RUNS)
+        "Each run's training loss, mean of its last 20 steps, mean over the seeds (fp32, list, []): " +
+        "; ".join(f"{MODELS[m]} " + ", ".join(pm(rows[r]['train_loss_final'], 1, 4, '') for r in RUNS)
+                  for m, (_, rows, _) in results.items()) + ". Seconds per run (fp32, list, []): " +
+        "; ".join(f"{MODELS[m]} " + ", ".join(f"{rows[r]['seconds'][0]:.0f}" for r in RUNS)
                   for m, (_, rows, _) in results.items()) + ".",
     ]
-    md += ["### Notes (routing)", ""] + [f"- {n}" for n in notes] + ["", f"![{path.stem}](images/{path.name})", ""]
+    md += ["### Notes (routing)", ""] + [f"- {n}" for n in notes] + [""]
+    md += [f"![{path.stem}](images/{path.name})", ""] if path else []
     print()
     for n in notes:
         print(*textwrap.wrap("- " + n, width=118, subsequent_indent="  "), sep="\n")
@@ -927,28 +1190,42 @@ def main():
     parser.add_argument("--models",
                         default=",".join(VALUE_MODELS),
                         help="the values part's models, comma-separated, '' for none (default: %(default)s)")
+    parser.add_argument("--routing-setting",
+                        choices=tuple(SETTINGS),
+                        default="tiny",
+                        help="the routing part's models and data (default: %(default)s)")
     parser.add_argument("--routing-models",
-                        default=",".join(ROUTING_MODELS),
-                        help="the routing part's models, comma-separated, '' for none (default: %(default)s)")
-    parser.add_argument("--routing-steps",
-                        type=int,
-                        default=400,
-                        help="the routing part's training steps per run (default: %(default)s)")
-    parser.add_argument("--routing-lr",
-                        type=float,
-                        default=1e-3,
-                        help="the routing part's peak learning rate (default: %(default)s)")
+                        default=None,
+                        help="the routing part's models, comma-separated, '' for none (default: the setting's)")
+    parser.add_argument("--seeds", type=int, help="the routing part's seeds (default: the setting's)")
+    parser.add_argument("--routing-steps", type=int, help="the routing part's steps per run (default: the setting's)")
+    parser.add_argument("--routing-lr", type=float, help="the routing part's peak learning rate (default: the setting's)")
+    parser.add_argument("--parallel", type=int, help="launches side by side (default: the setting's)")
+    # --world-size and --micro-batch: the values part's are 2 and 8; the routing part's default to its setting's
+    parser.set_defaults(world_size=None, micro_batch=None)
     parser.add_argument("--report-only",
                         action="store_true",
                         help="redo the tables and plots from the runs already in --out, without training")
     args = tiny_runs.parse(parser)
-    if args.worker:  # one rank of the part/model/run jobs named in --worker
+    if args.worker:  # one rank of the jobs named in --worker
         return tiny_runs.worker(args.worker, lambda job, say_: work(job, args, say_))
 
     t_start = time.time()
     out = Path(args.out)
+    setting = args.routing_setting
+    cfg = SETTINGS[setting]
     models = [m for m in args.models.split(",") if m]
-    routing_models = [m for m in args.routing_models.split(",") if m]
+    routing_models = [m for m in (",".join(cfg["models"]) if args.routing_models is None else
+                                  args.routing_models).split(",") if m]
+    seeds = cfg["seeds"] if args.seeds is None else args.seeds
+    args.routing_steps = cfg["steps"] if args.routing_steps is None else args.routing_steps
+    args.routing_lr = cfg["lr"] if args.routing_lr is None else args.routing_lr
+    routing_args = argparse.Namespace(**vars(args))
+    routing_args.steps, routing_args.lr = args.routing_steps, args.routing_lr
+    for key in ("world_size", "micro_batch", "parallel"):
+        if getattr(args, key) is None:
+            setattr(routing_args, key, cfg[key])
+            setattr(args, key, SETTINGS["tiny"][key])
     if not args.report_only:
         for sub in ("models", "runs", "logs"):
             shutil.rmtree(out / sub, ignore_errors=True)
@@ -960,56 +1237,80 @@ def main():
     transformers.logging.disable_progress_bar()
     command = " ".join(["python benchmarks/accuracy_study.py"] + sys.argv[1:])
     if not args.report_only:
-        print(f"Accuracy study, 3 runs per model ({', '.join(RUNS.values())}), ZeRO-3 on {args.world_size} CPU "
-              f"ranks. Output folder: {out}\n"
-              f"Values: {', '.join(MODELS[m] for m in models) or 'none'}; {args.steps} steps, AdamW lr {args.lr:g}.\n"
-              f"Routing: {', '.join(MODELS[m] for m in routing_models) or 'none'}; {args.routing_steps} steps, "
-              f"AdamW lr {args.routing_lr:g} with warm-up, decay and tail.\n")
+        print(f"Accuracy study, 3 runs per model ({', '.join(RUNS.values())}), ZeRO-3 on the "
+              f"{os.environ['DS_ACCELERATOR'].upper()}. Output folder: {out}\n"
+              f"Values: {', '.join(MODELS[m] for m in models) or 'none'}; {args.steps} steps, AdamW lr {args.lr:g}, "
+              f"{args.world_size} ranks x {args.micro_batch} sequences.\n"
+              f"Routing ({setting}: {SETTING_TEXT[setting]}): "
+              f"{', '.join(MODELS[m] for m in routing_models) or 'none'}; {seeds} seeds, {args.routing_steps} steps, "
+              f"AdamW lr {args.routing_lr:g} with warm-up, decay and tail, {routing_args.world_size} rank(s) x "
+              f"{routing_args.micro_batch} sequences, {routing_args.parallel} launch(es) side by side.\n")
         for model_name in models:
             tiny_runs.write_model(tiny_runs.tiny_model(model_name, seed=0), out / "models" / model_name)
         for model_name in routing_models:
-            tiny_runs.write_model(routing_model(model_name, seed=0), out / "models" / "routing" / model_name)
+            for seed in range(seeds):
+                tiny_runs.write_model(routing_model(model_name, seed, setting),
+                                      routing_dir(out, setting, model_name, seed))
         if models:
             run_all([f"values/{m}/{run}" for m in models for run in RUNS], args)
         if routing_models:
-            routing_args = argparse.Namespace(**vars(args))
-            routing_args.steps, routing_args.lr = args.routing_steps, args.routing_lr
-            run_all([f"routing/{m}/{run}" for m in routing_models for run in RUNS], routing_args, "routing-")
+            run_all([
+                f"routing/{setting}/{m}/{seed}/{run}" for seed in range(seeds) for m in routing_models for run in RUNS
+            ], routing_args, "routing-")
         meta = {
             "command": command,
             "minutes": (time.time() - t_start) / 60,
             "machine": machine(),
             "models": models,
             "routing_models": routing_models,
+            "routing_setting": setting,
+            "seeds": seeds,
             "args": {
                 k: v
                 for k, v in vars(args).items()
                 if k in ("steps", "lr", "micro_batch", "world_size", "routing_steps", "routing_lr")
             },
+            "routing_args": {k: getattr(routing_args, k)
+                             for k in ("micro_batch", "world_size", "parallel")},
         }
         (out / "runs" / "meta.json").write_text(json.dumps(meta, indent=1))
     meta = json.loads((out / "runs" / "meta.json").read_text())
     for k, v in meta["args"].items():
         setattr(args, k, v)
     models, routing_models = meta.get("models", models), meta.get("routing_models", [])
+    setting, seeds = meta.get("routing_setting", "tiny"), meta.get("seeds", 1)
 
     md = [
         "# Accuracy study: bf16 with and without the fp32 list, against fp32",
         "",
-        f"Command: `{meta['command']}` (`make study`), {meta['minutes']:.1f} minutes.",
+        f"Command: `{meta['command']}`, {meta['minutes']:.1f} minutes.",
         "",
         f"Machine: {meta['machine']}.",
         "",
     ]
     paths = []
+    import torch
+    torch.set_num_threads(os.cpu_count())  # the analysis, in this process (the ranks ran with one thread each)
+    try:
+        import matplotlib  # noqa: F401
+        plots = True
+    except ImportError:  # the GPU machine's image has no matplotlib: the tables only
+        plots = False
+        print("matplotlib is not installed: no plots")
     if models:
         results = {m: analyse(m, out) for m in models}
-        paths = plot(results, args, out)
+        paths = plot(results, args, out) if plots else []
         md += values_markdown(results, meta, args, paths)
     if routing_models:
-        routing = {m: analyse_routing(m, out) for m in routing_models}
-        paths.append(plot_routing(routing, args, out))
-        md += routing_markdown(routing, args, paths[-1])
+        routing = {
+            m: over_seeds({seed: analyse_routing(setting, m, seed, out)
+                           for seed in range(seeds)})
+            for m in routing_models
+        }
+        routing_args = argparse.Namespace(**{**vars(args), **meta.get("routing_args", {})})
+        path = plot_routing(routing, routing_args, out, setting) if plots else None
+        paths += [path] if path else []
+        md += routing_markdown(routing, routing_args, path, setting)
     (out / "results.md").write_text("\n".join(md))
     print(f"\nDone in {(time.time() - t_start) / 60:.1f} minutes. Tables: {out / 'results.md'}\nPlots: "
           f"{', '.join(os.path.relpath(p, ROOT) for p in paths)} (copied to {out})")

@@ -127,19 +127,21 @@ def say(*lines):
 
 
 def worker(jobs, train):
-    """One rank: quiet logs, join the gloo group, then ``train(job, say_)`` for each of the comma-separated ``jobs``,
-    in step with the other ranks; ``say_`` prints the reader's lines on rank 0 and nothing on the others."""
+    """One rank: quiet logs, join the process group (gloo on the CPU, the accelerator's backend elsewhere), then
+    ``train(job, say_)`` for each of the comma-separated ``jobs``, in step with the other ranks; ``say_`` prints the
+    reader's lines on rank 0 and nothing on the others."""
     import logging
     import warnings
     warnings.filterwarnings("ignore")
     import transformers
     import deepspeed
     import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import logger
     transformers.logging.set_verbosity_error()
     logger.setLevel(logging.ERROR)
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else None)
     say_ = say if dist.get_rank() == 0 else (lambda *lines: None)
     for job in jobs.split(","):
         train(job, say_)
@@ -190,6 +192,7 @@ def gathered(params):
 def train_step(engine, ids):
     """One step on the causal LM loss of ``ids``; returns the loss averaged over the ranks."""
     import deepspeed.comm as dist
+    ids = ids.to(engine.device)
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()

@@ -545,15 +545,18 @@ def analyse_routing(setting, model_name, seed, out):
         return (a == b).all(-1).float().mean(-1)
 
     # The whole model, to route the held-out tokens with the fp32 run's weights in a run's dtypes.
-    full = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # On the accelerator where there is one (the GPU check), else on the CPU.
+    from deepspeed.accelerator import get_accelerator
+    device = get_accelerator().device_name()
+    full = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     full_routers = routers_of(full)
-    held_out_ids = topic_batch(HELD_OUT, HELD_OUT_SEED, setting)
+    held_out_ids = topic_batch(HELD_OUT, HELD_OUT_SEED, setting).to(device)
 
     def load(state, dtypes):
         """The fp32 run's weights ``state`` into ``full``, each tensor in its dtype in ``dtypes``."""
         for n, t in [*full.named_parameters(), *full.named_buffers()]:
             if n in state:
-                t.data = state[n].to(getattr(torch, dtypes.get(n, "float32")))
+                t.data = state[n].to(device=device, dtype=getattr(torch, dtypes.get(n, "float32")))
 
     def route_model(state, dtypes):
         """The held-out tokens' top-k sets and router logits with the weights ``state`` in ``dtypes``."""
@@ -567,7 +570,8 @@ def analyse_routing(setting, model_name, seed, out):
             full(input_ids=held_out_ids)
             for h in handles:
                 h.remove()
-        return torch.stack([out_[n][0] for n in routers]), torch.stack([out_[n][1].float() for n in routers])
+        return (torch.stack([out_[n][0] for n in routers]).cpu(), torch.stack([out_[n][1].float()
+                                                                                for n in routers]).cpu())
 
     def gradients(state, dtypes, names):
         """The held-out loss's gradients of ``names``, in fp32, with the weights ``state`` in ``dtypes``."""
@@ -577,7 +581,7 @@ def analyse_routing(setting, model_name, seed, out):
         params = dict(full.named_parameters())
         # a parameter the loss does not reach (DeepSeek-V4's indexer, behind its top-k) has no gradient: 0
         return torch.cat([(params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])).float().flatten()
-                          for n in names])
+                          for n in names]).cpu()
 
     names = list(ref["evals"][0]["values"])
     groups = {}
@@ -595,12 +599,15 @@ def analyse_routing(setting, model_name, seed, out):
     tail = [i for i, s in enumerate(steps) if s >= DECAY_END * steps[-1]]
     # Whether the fp32 run's routing has settled: its top-k sets equal to those of its previous evaluation.
     settled = float(torch.stack([agree(ref["evals"][i]["topk"], ref["evals"][i - 1]["topk"]) for i in tail]).mean())
+    routed = {}  # (run, evaluation): the fp32 run's weights in the run's dtypes route the held-out tokens
     for run, r in res.items():
         own, ref_router, own_router, dist = [], [], [], {g: [] for g in groups}
-        compute = []  # the fp32 run's weights in this run's dtypes
-        for e, e_ref in zip(r["evals"], ref["evals"]):
+        compute = []  # the fp32 run's weights in this run's dtypes (for the fp32 run, itself: nothing to route)
+        for i, (e, e_ref) in enumerate(zip(r["evals"], ref["evals"])):
             own.append(agree(e["topk"], e_ref["topk"]))
-            compute.append(agree(route_model(e_ref["state"], r["dtypes"])[0], e_ref["topk"]))
+            if run != "fp32":
+                routed[run, i] = route_model(e_ref["state"], r["dtypes"])
+            compute.append(agree(routed[run, i][0], e_ref["topk"]) if run != "fp32" else own[-1])
             ref_router.append(agree(route(e_ref["values"], e["inputs"]), e_ref["topk"]))
             own_router.append(agree(route(e["values"], e_ref["inputs"]), e_ref["topk"]))
             for g, ns in groups.items():
@@ -656,8 +663,7 @@ def analyse_routing(setting, model_name, seed, out):
     others = [n for n in listed if params[n].requires_grad and n not in router_weights]
     forward_flip, forward_logits = [], []
     for i in tail:
-        state = ref["evals"][i]["state"]
-        (topk_list, logits_list), (topk_none, logits_none) = (route_model(state, d) for d in (list_dtypes, none_dtypes))
+        (topk_list, logits_list), (topk_none, logits_none) = routed["bf16_list", i], routed["bf16_none", i]
         forward_flip.append(1 - float(agree(topk_list, topk_none).mean()))
         forward_logits.append(float((logits_none - logits_list).norm() / logits_list.norm()))
     # The gradients at the first evaluation of the tail: in fp32, in the list's dtypes and in []'s.

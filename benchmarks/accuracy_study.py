@@ -1184,11 +1184,34 @@ def routing_markdown(results, args, path, setting):
                   for m, (_, rows, _) in results.items()) + ".",
     ]
     md += ["### Notes (routing)", ""] + [f"- {n}" for n in notes] + [""]
-    md += [f"![{path.stem}](images/{path.name})", ""] if path else []
+    caption = figure_caption(results)
+    md += [f"![{path.stem}](images/{path.name})", "", caption, ""] if path else []
+    print("\n" + "\n".join(textwrap.wrap(caption, width=118)))
     print()
     for n in notes:
         print(*textwrap.wrap("- " + n, width=118, subsequent_indent="  "), sep="\n")
     return md
+
+
+def figure_caption(results):
+    """The routing figure's caption: per model, list - [] with its interval and verdict; where they differ, what the
+    list changes alone, in numbers."""
+    parts = []
+    for model_name, (info, rows, _) in results.items():
+        c, pr = info["cause"], info["paired"]
+        text = (f"{MODELS[model_name]} {pm(pr['agree_tail']['interval'], sign='+', unit=' points')} "
+                f"({verdict(pr['agree_tail'])})")
+        if verdict(pr["agree_tail"]).startswith("list"):
+            text += (f": of it the forward alone {pm(pr['compute_tail']['interval'], sign='+', unit=' points')} "
+                     f"(rounding the listed tensors flips {pm(c['forward_flip'], digits=2)} of the top-{info['k']} "
+                     f"sets of a forward); the rest is the router's drift from fp32 over training: its weight ends "
+                     f"{sci_pm(c['router_drift']['none'])} from the fp32 run's with [], {sci_pm(c['router_drift']['list'])} "
+                     f"with the list, its gradient being {sci_pm(c['grad_router']['none'])} off fp32's with [] and "
+                     f"{sci_pm(c['grad_router']['list'])} with the list")
+        parts.append(text)
+    return ("Figure: agreement with the fp32 run (top), held-out loss against fp32's (middle), mean over the seeds "
+            "with its 95 % interval (bands); bottom, the tail's agreement list - [] per seed. list - [], tail mean: " +
+            "; ".join(parts) + ".")
 
 
 def main():

@@ -1204,7 +1204,8 @@ def figure_caption(results):
         if verdict(pr["agree_tail"]).startswith("list"):
             text += (f": of it the forward alone {pm(pr['compute_tail']['interval'], sign='+', unit=' points')} "
                      f"(rounding the listed tensors flips {pm(c['forward_flip'], digits=2)} of the top-{info['k']} "
-                     f"sets of a forward); the rest is the router's drift from fp32 over training: its weight ends "
+                     f"sets of a forward), the loading {pm(c['load_gain'], digits=2, sign='+', unit=' points')} at "
+                     f"step 0; the rest is the router's drift from fp32 over training: its weight ends "
                      f"{sci_pm(c['router_drift']['none'])} from the fp32 run's with [], {sci_pm(c['router_drift']['list'])} "
                      f"with the list, its gradient being {sci_pm(c['grad_router']['none'])} off fp32's with [] and "
                      f"{sci_pm(c['grad_router']['list'])} with the list")

@@ -26,7 +26,7 @@ routed experts. Setting ``large``: DeepSeek-V3 (its list holds its router weight
 norms, hyper-connections and sinks, not its router weight) at hidden 256 with 8 routed experts, on more tokens.
 The models learn token sequences of a few topics (a router can learn to send each topic to its experts), with a
 learning rate that warms up, decays and ends in a small tail, where most updates are below bf16's resolution. Each
-seed draws the initial weights and the order of the data; the three runs of a seed share both. Every
+seed draws the initial weights and the training sequences; the three runs of a seed share both. Every
 ``--routing-steps // 20`` steps each run routes fixed held-out tokens: the study compares each token's top-k expert
 set, per MoE layer, with the fp32 run's, and the router weights, routing biases and sinks with the fp32 run's; it
 also applies the fp32 run's router to each bf16 run's router inputs (and each run's router to the fp32 run's
@@ -300,7 +300,7 @@ def train(model_name, run, args, say_):
         if step % log_every == 0 or step == args.steps:
             say_(f"  step {step:4d}/{args.steps}  loss {losses[-1]:.4f}  ({(time.time() - t0) / step:.2f} s/step)")
     # The optimizer's fp32 copy of the listed parameters (the parameters themselves where they are fp32).
-    master = torch.cat([safe_get_full_fp32_param(p).detach().float().flatten() for p in listed_params])
+    master = torch.cat([safe_get_full_fp32_param(p).detach().float().flatten() for p in listed_params]).cpu()
     if rank == 0:
         torch.save(
             {
@@ -429,15 +429,24 @@ def train_routing(setting, model_name, seed, run, args, say_):
 
 
 def run_all(jobs, args, log_prefix=""):
-    """The ``jobs`` (part/...), in ``args.parallel`` launches side by side, each on ``args.world_size`` ranks."""
+    """The ``jobs`` (part/...), in ``args.parallel`` launches side by side, each on ``args.world_size`` ranks. A list
+    of lists: one launch per list where there are launches enough (a seed's runs: its results come whole, early),
+    else the jobs dealt out in turn (the launches take about as long)."""
     from concurrent.futures import ThreadPoolExecutor
-    n = max(1, min(args.parallel, len(jobs)))
-    shares = [jobs[i::n] for i in range(n)]
+    groups = jobs if jobs and isinstance(jobs[0], list) else [jobs]
+    flat = [j for g in groups for j in g]
+    n = max(1, min(args.parallel, len(flat)))
+    shares = groups if len(groups) == n else [flat[i::n] for i in range(n)]
     prefixes = [log_prefix + (f"{i}-" if n > 1 else "") for i in range(n)]
+    limit = getattr(args, "train_seconds", None)
+    start = time.time()
     with ThreadPoolExecutor(n) as pool:
         codes = list(
-            pool.map(lambda i: tiny_runs.launch(__file__, ",".join(shares[i]), args, prefixes[i], timeout=4 * 3600),
-                     range(n)))
+            pool.map(lambda i: tiny_runs.launch(__file__, ",".join(shares[i]), args, prefixes[i], timeout=limit or
+                                                4 * 3600), range(n)))
+    if limit and time.time() - start >= limit:
+        print(f"--train-seconds {limit:g}: training stopped; the runs that finished are analysed")
+        return
     for i, c in enumerate(codes):
         if any(c):
             tiny_runs.fail(f"The study failed (exit codes {c}); the end of the logs:", args, prefixes[i])
@@ -597,8 +606,13 @@ def analyse_routing(setting, model_name, seed, out):
     half_step = torch.exp2(torch.floor(torch.log2(weights.abs().clamp_min(1e-30))) - 8)
     below = float((half_step > ref["evals"][-1]["lr"]).float().mean())
     tail = [i for i, s in enumerate(steps) if s >= DECAY_END * steps[-1]]
-    # Whether the fp32 run's routing has settled: its top-k sets equal to those of its previous evaluation.
-    settled = float(torch.stack([agree(ref["evals"][i]["topk"], ref["evals"][i - 1]["topk"]) for i in tail]).mean())
+    # Whether the fp32 run's routing has settled: its top-k sets equal to those of its previous evaluation, over the
+    # second half of the decay (the learning rate 1-30 % of its peak) and over the tail.
+    late = [i for i, s in enumerate(steps) if 0.5 * steps[-1] <= s < DECAY_END * steps[-1]]
+    settled = {
+        k: float(torch.stack([agree(ref["evals"][i]["topk"], ref["evals"][i - 1]["topk"]) for i in idx]).mean())
+        for k, idx in (("decay", late), ("tail", tail))
+    }
     routed = {}  # (run, evaluation): the fp32 run's weights in the run's dtypes route the held-out tokens
     for run, r in res.items():
         own, ref_router, own_router, dist = [], [], [], {g: [] for g in groups}
@@ -657,10 +671,12 @@ def analyse_routing(setting, model_name, seed, out):
     # What the list changes, each alone, on the fp32 run's weights (the analysis model, plain torch, one process).
     list_dtypes, none_dtypes = res["bf16_list"]["dtypes"], res["bf16_none"]["dtypes"]
     params = dict(full.named_parameters())
-    listed = [n for n in params if list_dtypes.get(n) == "float32" and none_dtypes.get(n) != "float32"]
+    # the listed tensors: parameters and buffers (routing biases) the list run holds in fp32 and the [] run not
+    listed = [n for n in [*params, *dict(full.named_buffers())]
+              if list_dtypes.get(n) == "float32" and none_dtypes.get(n) != "float32"]
     router_weights = [f"{n}.weight" for n in routers]
     # the listed parameters that train, but a router weight (DeepSeek-V3's and ERNIE's list holds theirs)
-    others = [n for n in listed if params[n].requires_grad and n not in router_weights]
+    others = [n for n in listed if n in params and params[n].requires_grad and n not in router_weights]
     forward_flip, forward_logits = [], []
     for i in tail:
         (topk_list, logits_list), (topk_none, logits_none) = routed["bf16_list", i], routed["bf16_none", i]
@@ -668,7 +684,7 @@ def analyse_routing(setting, model_name, seed, out):
         forward_logits.append(float((logits_none - logits_list).norm() / logits_list.norm()))
     # The gradients at the first evaluation of the tail: in fp32, in the list's dtypes and in []'s.
     state = ref["evals"][tail[0]]["state"]
-    grads = {k: gradients(state, d, router_weights + others) for k, d in (("fp32", {}), ("list", list_dtypes),
+    grads = {k: gradients(state, d, router_weights + others) for k, d in (("fp32", ref["dtypes"]), ("list", list_dtypes),
                                                                           ("none", none_dtypes))}
     split = sum(params[n].numel() for n in router_weights)
 
@@ -718,11 +734,12 @@ def analyse_routing(setting, model_name, seed, out):
 def interval(xs):
     """Mean and the half-width of its 95 % interval (Student's t) over the values ``xs`` (one per seed)."""
     import statistics
-    t = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+    t = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}  # t(0.975, df); between two entries the smaller df's (wider)
     m = statistics.fmean(xs)
     if len(xs) < 2:
         return m, float("nan")
-    return m, t.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return m, t[max(k for k in t if k <= len(xs) - 1)] * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
 def over_seeds(per_seed):
@@ -771,12 +788,12 @@ def sci_pm(x, sign=""):
     return f"{m:{sign}.1e}" + (f" ± {h:.0e}" if h == h else "")
 
 
-def verdict(paired):
+def verdict(paired, above="list above []", below="list below []"):
     """Whether the list and [] differ beyond the spread: the 95 % interval of the paired difference excludes 0."""
     m, h = paired["interval"]
     if h != h:
         return "one seed: no spread"
-    return "list above []" if m - h > 0 else ("list below []" if m + h < 0 else "within the spread")
+    return above if m - h > 0 else (below if m + h < 0 else "within the spread")
 
 
 def routing_tables(results):
@@ -799,29 +816,31 @@ def routing_tables(results):
                                "-" if ref else sci_pm(r["dist_final"][g][0]),
                                "-" if ref else f"{r['dist_final'][g][1][0]:.1e}"))
         pr = info["paired"]
-        paired.append((MODELS[model_name], len(info["seeds"]), pm(pr["agree_tail"]["interval"], sign="+"),
+        paired.append((MODELS[model_name], len(info["seeds"]), pm(pr["agree_tail"]["interval"], sign="+", unit=""),
                        " / ".join(f"{100 * d:+.1f}" for d in pr["agree_tail"]["per_seed"]),
-                       pm(pr["compute_tail"]["interval"], sign="+"), sci_pm(pr["held_out_diff_tail"]["interval"], "+"),
-                       verdict(pr["agree_tail"])))
+                       pm(pr["compute_tail"]["interval"], sign="+", unit=""),
+                       sci_pm(pr["held_out_diff_tail"]["interval"], "+"), verdict(pr["agree_tail"]),
+                       verdict(pr["held_out_diff_tail"], "list's loss higher", "list's loss lower")))
         c = info["cause"]
         cause.append((MODELS[model_name], describe_keep(ROUTING_KEEP[model_name]), pm(c["forward_flip"], digits=2),
-                       sci_pm(c["forward_logits"]), pm(c["forward_gain"], digits=2, sign="+"),
+                       sci_pm(c["forward_logits"]), pm(c["forward_gain"], digits=2, sign="+", unit=" points"),
                        f"{sci_pm(c['grad_router']['list'])} / {sci_pm(c['grad_router']['none'])}",
                        f"{sci_pm(c['grad_others']['list'])} / {sci_pm(c['grad_others']['none'])}"
                        if info["others"] else "- (none but the router weight)", sci_pm(c["load_rounding"]),
-                       pm(c["load_gain"], digits=2, sign="+"),
+                       pm(c["load_gain"], digits=2, sign="+", unit=" points"),
                        f"{sci_pm(c['router_drift']['list'])} / {sci_pm(c['router_drift']['none'])}"))
     header_a = ("model", "run", "agreement at step 0", "agreement, tail mean", "fp32 run's weights in this run's "
                 "dtypes, tail mean", "fp32 run's router on this run's inputs, tail mean",
                 "this run's router on the fp32 run's inputs, tail mean", "held-out loss, last",
                 "held-out loss - fp32's, tail mean")
-    header_p = ("model", "seeds", "agreement, tail mean: list - [] (points)", "per seed", "of it, the forward alone "
-                "(fp32 run's weights in the two runs' dtypes)", "held-out loss, tail mean: list - []", "verdict")
+    header_p = ("model", "seeds", "agreement, tail mean: list - [] (points)", "per seed (points)",
+                "the forward alone: fp32 run's weights in the two runs' dtypes, list - [] (points)",
+                "held-out loss, tail mean: list - []", "verdict, agreement", "verdict, held-out loss")
     header_c = ("model", "list", "forward: top-k sets that rounding the listed tensors changes",
                 "forward: router logits, rel. change", "forward: agreement with fp32, list - []",
                 "router weight's gradient, rel. error to fp32's: list / []",
                 "other listed tensors' gradients, rel. error: list / []", "loading: listed tensors' rel. rounding",
-                "loading: agreement at step 0, list - []", "router weight, rel. L2 diff to fp32's at the end: "
+                "the forward at step 0 (the loaded values): agreement, list - []", "router weight, rel. L2 diff to fp32's at the end: "
                 "list / []")
     header_v = ("model", "run", "tensors (elements)", "held as", "rel. L2 diff to fp32 at step 0",
                 "rel. L2 diff to fp32, last", "max abs diff to fp32, last")
@@ -1082,27 +1101,31 @@ def routing_markdown(results, args, path, setting):
     cfg = SETTINGS[setting]
     seeds = len(info0["seeds"])
     below = ", ".join(f"{MODELS[m]} {pm(info['below'])}" for m, (info, _, _) in results.items())
-    settled = ", ".join(f"{MODELS[m]} {pm(info['settled'])}" for m, (info, _, _) in results.items())
+    settled = ", ".join(f"{MODELS[m]} {pm(info['settled']['decay'])} / {pm(info['settled']['tail'])}"
+                        for m, (info, _, _) in results.items())
+    threshold = 2.0**(math.floor(math.log2(tail_lr)) + 9)  # the smallest value whose half bf16 step exceeds tail_lr
     md = [
         f"## MoE routing ({setting}): what keeping buys for the router, over {seeds} seeds",
         "",
         f"{names} ({SETTING_TEXT[setting]}; a shared expert but in gpt-oss), random init, the routing biases "
         f"(`e_score_correction_bias`) drawn from N(0, {BIAS_STD:g}^2), as a trained checkpoint's are not zero; "
-        f"{seeds} seeds (0 to {seeds - 1}), each drawing the initial weights and the order of the training data; per "
+        f"{seeds} seeds (0 to {seeds - 1}), each drawing the initial weights and the training sequences; per "
         f"seed the same three runs from the same weights on the same data, ZeRO-3 on {args.world_size} "
         f"rank{'s' if args.world_size > 1 else ''}, {args.routing_steps} steps of AdamW (no weight decay), "
         f"{args.world_size} x {args.micro_batch} sequences of "
         f"{cfg['seq']} tokens per step. The learning rate warms up over {WARMUP:.0%} of the steps to "
         f"{args.routing_lr:g}, decays (cosine) to {tail_lr:g} at step {round(DECAY_END * args.routing_steps)} and "
         f"stays there: in this tail an update of about {tail_lr:g} is below half a bf16 step for every value above "
-        f"about 0.005 (for this share of the fp32 run's router weight elements at the end: {below}). The data: a "
+        f"{threshold:.3g} (for this share of the fp32 run's router weight elements at the end: {below}). The data: a "
         f"vocabulary of {cfg['vocab']} tokens in {cfg['topics']} topics, each with its own share of the vocabulary "
         "and its own order of it (a token's successor with probability 0.8, another token of the topic with 0.15, "
         f"any token with 0.05), a structure a router can learn. Every {every} steps each run routes the same "
         f"{info0['tokens']} held-out tokens (one forward, no update): the share of tokens whose top-{info0['k']} "
         "expert set in a layer equals the fp32 run's, over the layers; the held-out loss; the router weights, "
-        "routing biases and sinks against the fp32 run's. The fp32 run's routing has settled in the tail: the share "
-        f"of its top-{info0['k']} sets equal to those of its previous evaluation, tail mean: {settled}.",
+        "routing biases and sinks against the fp32 run's. Whether the fp32 run's routing has settled: the share of "
+        f"its top-{info0['k']} sets equal to those of its previous evaluation, over the second half of the decay "
+        f"(steps {round(0.5 * args.routing_steps)} to {round(DECAY_END * args.routing_steps)}, the learning rate "
+        f"30 % to 1 % of its peak) / over the tail: {settled}.",
         "",
         "What the bf16 + list runs keep: DeepSeek-V3 and ERNIE 4.5 MoE (`\"auto\"`): the router weight (a "
         "parameter) and the routing bias (a buffer in DeepSeek-V3, which DeepSpeed 0.19.8's own `\"auto\"` keeps in "
@@ -1166,9 +1189,10 @@ def routing_markdown(results, args, path, setting):
         "\"What the list changes, each alone\" (the third table), on the fp32 run's weights with the held-out tokens, "
         "in one process: the forward, at each evaluation of the tail, with every tensor in the dtype of the list run "
         "against the dtype of the [] run (only the listed tensors differ); the gradients of the loss at the first "
-        "evaluation of the tail, in fp32, in the list run's dtypes and in the [] run's (no reduction over ranks: "
-        "ZeRO-3 on 2 ranks adds one rounding of the bf16 gradients in the [] run); the loading, the listed tensors "
-        "at step 0 rounded to bf16.",
+        "evaluation of the tail, in fp32, in the list run's dtypes and in the [] run's (no reduction over ranks" +
+        (f": ZeRO-3 on {args.world_size} ranks adds one rounding of the bf16 gradients in the [] run"
+         if args.world_size > 1 else ", as in the runs, on one rank") + "); the loading: the listed tensors, parameters "
+        "and buffers, at step 0 rounded to bf16, against how far the router weight drifts from the fp32 run's.",
         "Checks: offline, the fp32 run's routers route its own recorded inputs as in training for "
         f"{pm(min(i['reproduced'] for i, _, _ in results.values()))} of the tokens or more in every evaluation of "
         "every seed, and the offline model routes each run's step 0 as the run did for "
@@ -1185,7 +1209,7 @@ def routing_markdown(results, args, path, setting):
     ]
     md += ["### Notes (routing)", ""] + [f"- {n}" for n in notes] + [""]
     caption = figure_caption(results)
-    md += [f"![{path.stem}](images/{path.name})", "", caption, ""] if path else []
+    md += ([f"![{path.stem}](images/{path.name})", ""] if path else []) + [caption, ""]
     print("\n" + "\n".join(textwrap.wrap(caption, width=118)))
     print()
     for n in notes:
@@ -1195,24 +1219,27 @@ def routing_markdown(results, args, path, setting):
 
 def figure_caption(results):
     """The routing figure's caption: per model, list - [] with its interval and verdict; where they differ, what the
-    list changes alone, in numbers."""
+    list changes, each alone (the numbers do not add up to the difference: each is measured on its own)."""
     parts = []
     for model_name, (info, rows, _) in results.items():
-        c, pr = info["cause"], info["paired"]
+        c, pr, lst, none = info["cause"], info["paired"], rows["bf16_list"], rows["bf16_none"]
         text = (f"{MODELS[model_name]} {pm(pr['agree_tail']['interval'], sign='+', unit=' points')} "
                 f"({verdict(pr['agree_tail'])})")
         if verdict(pr["agree_tail"]).startswith("list"):
-            text += (f": of it the forward alone {pm(pr['compute_tail']['interval'], sign='+', unit=' points')} "
-                     f"(rounding the listed tensors flips {pm(c['forward_flip'], digits=2)} of the top-{info['k']} "
-                     f"sets of a forward), the loading {pm(c['load_gain'], digits=2, sign='+', unit=' points')} at "
-                     f"step 0; the rest is the router's drift from fp32 over training: its weight ends "
-                     f"{sci_pm(c['router_drift']['none'])} from the fp32 run's with [], {sci_pm(c['router_drift']['list'])} "
-                     f"with the list, its gradient being {sci_pm(c['grad_router']['none'])} off fp32's with [] and "
-                     f"{sci_pm(c['grad_router']['list'])} with the list")
+            text += (f"; each alone: the forward (the fp32 run's weights in the two runs' dtypes) "
+                     f"{pm(pr['compute_tail']['interval'], sign='+', unit=' points')}, rounding the listed tensors "
+                     f"flipping {pm(c['forward_flip'], digits=2)} of the top-{info['k']} sets; the loaded values, "
+                     f"rounded by {sci_pm(c['load_rounding'])} (relative); the gradients, the router weight's "
+                     f"{sci_pm(c['grad_router']['none'])} off fp32's with [] and {sci_pm(c['grad_router']['list'])} "
+                     f"with the list. Over training the router weight ends {sci_pm(c['router_drift']['none'])} from "
+                     f"the fp32 run's with [] and {sci_pm(c['router_drift']['list'])} with the list; the fp32 run's "
+                     f"router routes the inputs of [] and of the list as fp32 for {pm(none['ref_router_tail'])} and "
+                     f"{pm(lst['ref_router_tail'])}, the router of [] and of the list the fp32 run's inputs for "
+                     f"{pm(none['own_router_tail'])} and {pm(lst['own_router_tail'])}")
         parts.append(text)
     return ("Figure: agreement with the fp32 run (top), held-out loss against fp32's (middle), mean over the seeds "
             "with its 95 % interval (bands); bottom, the tail's agreement list - [] per seed. list - [], tail mean: " +
-            "; ".join(parts) + ".")
+            ". ".join(parts) + ".")
 
 
 def main():
@@ -1231,6 +1258,10 @@ def main():
     parser.add_argument("--routing-steps", type=int, help="the routing part's steps per run (default: the setting's)")
     parser.add_argument("--routing-lr", type=float, help="the routing part's peak learning rate (default: the setting's)")
     parser.add_argument("--parallel", type=int, help="launches side by side (default: the setting's)")
+    parser.add_argument("--train-seconds",
+                        type=float,
+                        help="stop the routing part's training after this many seconds and analyse the seeds that "
+                        "finished (the GPU check's deadline)")
     # --world-size and --micro-batch: the values part's are 2 and 8; the routing part's default to its setting's
     parser.set_defaults(world_size=None, micro_batch=None)
     parser.add_argument("--report-only",
@@ -1266,6 +1297,25 @@ def main():
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     command = " ".join(["python benchmarks/accuracy_study.py"] + sys.argv[1:])
+
+    def describe_run(minutes):
+        return {
+            "command": command,
+            "minutes": minutes,
+            "machine": machine(),
+            "models": models,
+            "routing_models": routing_models,
+            "routing_setting": setting,
+            "seeds": seeds,
+            "args": {
+                k: v
+                for k, v in vars(args).items()
+                if k in ("steps", "lr", "micro_batch", "world_size", "routing_steps", "routing_lr")
+            },
+            "routing_args": {k: getattr(routing_args, k)
+                             for k in ("micro_batch", "world_size", "parallel")},
+        }
+
     if not args.report_only:
         print(f"Accuracy study, 3 runs per model ({', '.join(RUNS.values())}), ZeRO-3 on the "
               f"{os.environ['DS_ACCELERATOR'].upper()}. Output folder: {out}\n"
@@ -1284,26 +1334,11 @@ def main():
         if models:
             run_all([f"values/{m}/{run}" for m in models for run in RUNS], args)
         if routing_models:
-            run_all([
-                f"routing/{setting}/{m}/{seed}/{run}" for seed in range(seeds) for m in routing_models for run in RUNS
-            ], routing_args, "routing-")
-        meta = {
-            "command": command,
-            "minutes": (time.time() - t_start) / 60,
-            "machine": machine(),
-            "models": models,
-            "routing_models": routing_models,
-            "routing_setting": setting,
-            "seeds": seeds,
-            "args": {
-                k: v
-                for k, v in vars(args).items()
-                if k in ("steps", "lr", "micro_batch", "world_size", "routing_steps", "routing_lr")
-            },
-            "routing_args": {k: getattr(routing_args, k)
-                             for k in ("micro_batch", "world_size", "parallel")},
-        }
-        (out / "runs" / "meta.json").write_text(json.dumps(meta, indent=1))
+            # what --report-only needs of the seeds that finished, if the routing part is stopped
+            (out / "runs" / "meta.json").write_text(json.dumps(describe_run(None), indent=1))
+            run_all([[f"routing/{setting}/{m}/{seed}/{run}" for m in routing_models for run in RUNS]
+                     for seed in range(seeds)], routing_args, "routing-")
+        (out / "runs" / "meta.json").write_text(json.dumps(describe_run((time.time() - t_start) / 60), indent=1))
     meta = json.loads((out / "runs" / "meta.json").read_text())
     for k, v in meta["args"].items():
         setattr(args, k, v)
@@ -1313,7 +1348,8 @@ def main():
     md = [
         "# Accuracy study: bf16 with and without the fp32 list, against fp32",
         "",
-        f"Command: `{meta['command']}`, {meta['minutes']:.1f} minutes.",
+        f"Command: `{meta['command']}`, " + (f"{meta['minutes']:.1f} minutes." if meta["minutes"] is not None else
+                                              "stopped before its end: the seeds that finished."),
         "",
         f"Machine: {meta['machine']}.",
         "",
@@ -1331,12 +1367,17 @@ def main():
         results = {m: analyse(m, out) for m in models}
         paths = plot(results, args, out) if plots else []
         md += values_markdown(results, meta, args, paths)
+    done = []
     if routing_models:
-        routing = {
-            m: over_seeds({seed: analyse_routing(setting, m, seed, out)
-                           for seed in range(seeds)})
-            for m in routing_models
-        }
+        done = [
+            seed for seed in range(seeds)
+            if all(routing_run(out, setting, m, seed, run).exists() for m in routing_models for run in RUNS)
+        ]
+        if len(done) < seeds:
+            print(f"the routing part's runs of seeds {done} are there, of {seeds}: those only")
+            md += [f"Stopped before its end: seeds {done} of {seeds} finished, those only.", ""]
+    if routing_models and done:
+        routing = {m: over_seeds({seed: analyse_routing(setting, m, seed, out) for seed in done}) for m in routing_models}
         routing_args = argparse.Namespace(**{**vars(args), **meta.get("routing_args", {})})
         path = plot_routing(routing, routing_args, out, setting) if plots else None
         paths += [path] if path else []

@@ -182,11 +182,11 @@ def from_pretrained_zero3(model_dir, ds_config):
 
 
 def gathered(params):
-    """The full values of ZeRO-3 parameters as the model computes with them, flattened into one fp32 tensor."""
+    """The full values of ZeRO-3 parameters as the model computes with them, flattened into one fp32 CPU tensor."""
     import torch
     import deepspeed
     with deepspeed.zero.GatheredParameters(params):
-        return torch.cat([p.data.detach().float().flatten() for p in params])
+        return torch.cat([p.data.detach().float().flatten() for p in params]).cpu()
 
 
 def train_step(engine, ids):

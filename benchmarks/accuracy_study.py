@@ -772,6 +772,9 @@ def over_seeds(per_seed):
     for key in ("agree_tail", "compute_tail", "held_out_diff_tail", "agree_0"):
         d = [per_seed[s][1]["bf16_list"][key] - per_seed[s][1]["bf16_none"][key] for s in seeds]
         paired[key] = {"per_seed": d, "interval": interval(d)}
+    for key in ("router_drift", "grad_router"):  # list - [] of what the list changes, per seed
+        d = [per_seed[s][0]["cause"][key]["list"] - per_seed[s][0]["cause"][key]["none"] for s in seeds]
+        paired[key] = {"per_seed": d, "interval": interval(d)}
     info["paired"] = paired
     return info, rows, curves
 
@@ -818,7 +821,9 @@ def routing_tables(results):
         pr = info["paired"]
         paired.append((MODELS[model_name], len(info["seeds"]), pm(pr["agree_tail"]["interval"], sign="+", unit=""),
                        " / ".join(f"{100 * d:+.1f}" for d in pr["agree_tail"]["per_seed"]),
-                       pm(pr["compute_tail"]["interval"], sign="+", unit=""),
+                       f"{pm(pr['compute_tail']['interval'], sign='+', unit='')} ({verdict(pr['compute_tail'])})",
+                       f"{sci_pm(pr['router_drift']['interval'], '+')} "
+                       f"({verdict(pr['router_drift'], 'list farther', 'list closer')})",
                        sci_pm(pr["held_out_diff_tail"]["interval"], "+"), verdict(pr["agree_tail"]),
                        verdict(pr["held_out_diff_tail"], "list's loss higher", "list's loss lower")))
         c = info["cause"]
@@ -835,6 +840,7 @@ def routing_tables(results):
                 "held-out loss - fp32's, tail mean")
     header_p = ("model", "seeds", "agreement, tail mean: list - [] (points)", "per seed (points)",
                 "the forward alone: fp32 run's weights in the two runs' dtypes, list - [] (points)",
+                "router weight's rel. L2 diff to fp32's at the end, list - []",
                 "held-out loss, tail mean: list - []", "verdict, agreement", "verdict, held-out loss")
     header_c = ("model", "list", "forward: top-k sets that rounding the listed tensors changes",
                 "forward: router logits, rel. change", "forward: agreement with fp32, list - []",
@@ -1218,24 +1224,24 @@ def routing_markdown(results, args, path, setting):
 
 
 def figure_caption(results):
-    """The routing figure's caption: per model, list - [] with its interval and verdict; where they differ, what the
-    list changes, each alone (the numbers do not add up to the difference: each is measured on its own)."""
+    """The routing figure's caption: per model, list - [] with its interval and verdict; where anything the list
+    changes differs beyond the spread (the agreement, the forward alone, the router weight's drift), each measurement
+    alone (they do not add up to the difference: each is measured on its own)."""
     parts = []
     for model_name, (info, rows, _) in results.items():
         c, pr, lst, none = info["cause"], info["paired"], rows["bf16_list"], rows["bf16_none"]
         text = (f"{MODELS[model_name]} {pm(pr['agree_tail']['interval'], sign='+', unit=' points')} "
                 f"({verdict(pr['agree_tail'])})")
-        if verdict(pr["agree_tail"]).startswith("list"):
-            text += (f"; each alone: the forward (the fp32 run's weights in the two runs' dtypes) "
-                     f"{pm(pr['compute_tail']['interval'], sign='+', unit=' points')}, rounding the listed tensors "
-                     f"flipping {pm(c['forward_flip'], digits=2)} of the top-{info['k']} sets; the loaded values, "
-                     f"rounded by {sci_pm(c['load_rounding'])} (relative); the gradients, the router weight's "
-                     f"{sci_pm(c['grad_router']['none'])} off fp32's with [] and {sci_pm(c['grad_router']['list'])} "
-                     f"with the list. Over training the router weight ends {sci_pm(c['router_drift']['none'])} from "
-                     f"the fp32 run's with [] and {sci_pm(c['router_drift']['list'])} with the list; the fp32 run's "
-                     f"router routes the inputs of [] and of the list as fp32 for {pm(none['ref_router_tail'])} and "
-                     f"{pm(lst['ref_router_tail'])}, the router of [] and of the list the fp32 run's inputs for "
-                     f"{pm(none['own_router_tail'])} and {pm(lst['own_router_tail'])}")
+        if any(verdict(pr[k]).startswith("list") for k in ("agree_tail", "compute_tail", "router_drift")):
+            text += (f"; each alone, list - [] per seed: the forward (the fp32 run's weights in the two runs' "
+                     f"dtypes) {pm(pr['compute_tail']['interval'], sign='+', unit=' points')} "
+                     f"({verdict(pr['compute_tail'])}), rounding the listed tensors flipping "
+                     f"{pm(c['forward_flip'], digits=2)} of the top-{info['k']} sets; the router weight's gradient "
+                     f"{sci_pm(c['grad_router']['list'])} off fp32's with the list, {sci_pm(c['grad_router']['none'])} "
+                     f"with [] ({verdict(pr['grad_router'], 'list farther', 'list closer')}); the loaded values "
+                     f"rounded by {sci_pm(c['load_rounding'])} (relative). Over training the router weight ends "
+                     f"{sci_pm(c['router_drift']['list'])} from the fp32 run's with the list, "
+                     f"{sci_pm(c['router_drift']['none'])} with [] ({verdict(pr['router_drift'], 'list farther', 'list closer')})")
         parts.append(text)
     return ("Figure: agreement with the fp32 run (top), held-out loss against fp32's (middle), mean over the seeds "
             "with its 95 % interval (bands); bottom, the tail's agreement list - [] per seed. list - [], tail mean: " +

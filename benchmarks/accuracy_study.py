@@ -371,7 +371,8 @@ def train_routing(setting, model_name, seed, run, args, say_):
 
             def record(mod, inputs, output):
                 h = inputs[0].detach()
-                captured[name] = (h.reshape(-1, h.shape[-1]).float().cpu(), output[-1].detach().sort(-1).values.cpu())
+                captured[name] = (h.reshape(-1, h.shape[-1]).to("cpu", torch.float32, copy=True),
+                                  output[-1].detach().sort(-1).values.cpu())
 
             return record
 
@@ -381,7 +382,8 @@ def train_routing(setting, model_name, seed, run, args, say_):
         for h in handles:
             h.remove()
         with deepspeed.zero.GatheredParameters([t for t, is_param in tracked.values() if is_param]):
-            values = {n: t.detach().float().cpu() for n, (t, _) in tracked.items()}
+            # copies: at world size 1 a gathered parameter is the one the next steps update in place
+            values = {n: t.detach().to("cpu", torch.float32, copy=True) for n, (t, _) in tracked.items()}
         evals.append({
             "step": step,
             "loss": loss,

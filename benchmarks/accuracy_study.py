@@ -139,6 +139,16 @@ LARGE_SIZES = {
          index_head_dim=32,
          max_position_embeddings=128),
 }
+# What the list of each routing model keeps (the bf16 + list runs).
+KEPT_TEXT = {
+    "deepseek_v3": "DeepSeek-V3 (`\"auto\"`): the router weight (a parameter) and the routing bias (a buffer, which "
+    "DeepSpeed 0.19.8's own `\"auto\"` keeps in fp32 already)",
+    "ernie4_5_moe": "ERNIE 4.5 MoE (`\"auto\"`): the router weight and the routing bias (a parameter without "
+    "gradient)",
+    "deepseek_v4": "DeepSeek-V4 (`\"auto\"`): its norms, hyper-connections, sinks (parameters) and its routing bias (a "
+    "buffer), not its router weight, which it does not list",
+    "gpt_oss": "gpt-oss (`[\"sinks\"]`: it lists nothing for bf16): its sinks",
+}
 SETTING_TEXT = {
     "tiny": "hidden 32, 2 MoE layers of 4 routed experts, top 2",
     "large": "hidden 256, 2 MoE layers of 8 routed experts, top 2",
@@ -823,7 +833,7 @@ def routing_tables(results):
         pr = info["paired"]
         paired.append((MODELS[model_name], len(info["seeds"]), pm(pr["agree_tail"]["interval"], sign="+", unit=""),
                        " / ".join(f"{100 * d:+.1f}" for d in pr["agree_tail"]["per_seed"]),
-                       f"{pm(pr['compute_tail']['interval'], sign='+', unit='')} ({verdict(pr['compute_tail'])})",
+                       f"{pm(pr['compute_tail']['interval'], digits=2, sign='+', unit='')} ({verdict(pr['compute_tail'])})",
                        f"{sci_pm(pr['router_drift']['interval'], '+')} "
                        f"({verdict(pr['router_drift'], 'list farther', 'list closer')})",
                        sci_pm(pr["held_out_diff_tail"]["interval"], "+"), verdict(pr["agree_tail"]),
@@ -1115,7 +1125,7 @@ def routing_markdown(results, args, path, setting):
     md = [
         f"## MoE routing ({setting}): what keeping buys for the router, over {seeds} seeds",
         "",
-        f"{names} ({SETTING_TEXT[setting]}; a shared expert but in gpt-oss), random init, the routing biases "
+        f"{names} ({SETTING_TEXT[setting]}{'; a shared expert but in gpt-oss' if 'gpt_oss' in results else ', and a shared expert'}), random init, the routing biases "
         f"(`e_score_correction_bias`) drawn from N(0, {BIAS_STD:g}^2), as a trained checkpoint's are not zero; "
         f"{seeds} seeds (0 to {seeds - 1}), each drawing the initial weights and the training sequences; per "
         f"seed the same three runs from the same weights on the same data, ZeRO-3 on {args.world_size} "
@@ -1135,12 +1145,8 @@ def routing_markdown(results, args, path, setting):
         f"(steps {round(0.5 * args.routing_steps)} to {round(DECAY_END * args.routing_steps)}, the learning rate "
         f"30 % to 1 % of its peak) / over the tail: {settled}.",
         "",
-        "What the bf16 + list runs keep: DeepSeek-V3 and ERNIE 4.5 MoE (`\"auto\"`): the router weight (a "
-        "parameter) and the routing bias (a buffer in DeepSeek-V3, which DeepSpeed 0.19.8's own `\"auto\"` keeps in "
-        "fp32 already; in ERNIE a parameter without gradient). DeepSeek-V4 (`\"auto\"`): its norms, "
-        "hyper-connections, sinks (parameters) and its routing bias (a buffer), not its router weight, which it does "
-        "not list. gpt-oss lists nothing for bf16 and runs with `[\"sinks\"]`. The bf16 [] runs hold all of these in "
-        "bf16, the buffers too.",
+        "What the bf16 + list runs keep: " + "; ".join(KEPT_TEXT[m] for m in results) + ". The bf16 [] runs hold "
+        "all of these in bf16, the buffers too.",
         "",
         "Every number is a mean over the seeds ± the half-width of its 95 % interval (Student's t, "
         f"{seeds - 1} degrees of freedom). list - [] is taken per seed (the two runs of a seed share weights and "
@@ -1171,14 +1177,18 @@ def routing_markdown(results, args, path, setting):
             f"{MODELS[model_name]}: over the tail, {label} routes {pm(lst['agree_tail'])} of the held-out tokens x "
             f"layers as the fp32 run does, [] {pm(none['agree_tail'])}; list - [] per seed "
             f"{pm(pr['agree_tail']['interval'], sign='+', unit=' points')}: {verdict(pr['agree_tail'])}. "
-            f"Of it, the forward alone (the fp32 run's weights in the two runs' dtypes): "
-            f"{pm(pr['compute_tail']['interval'], sign='+', unit=' points')}; rounding the listed tensors changes "
+            f"Each alone (not parts of that difference): the forward (the fp32 run's weights in the two runs' "
+            f"dtypes) {pm(pr['compute_tail']['interval'], digits=2, sign='+', unit=' points')} "
+            f"({verdict(pr['compute_tail'])}); rounding the listed tensors changes "
             f"{pm(c['forward_flip'], digits=2)} of the top-{info['k']} sets and the router logits by "
             f"{sci_pm(c['forward_logits'])} (relative). The router weight's gradient is "
             f"{sci_pm(c['grad_router']['list'])} off fp32's with the list, {sci_pm(c['grad_router']['none'])} with "
-            f"[]; at the end the router weight is {sci_pm(c['router_drift']['list'])} from the fp32 run's with the "
-            f"list, {sci_pm(c['router_drift']['none'])} with []. Loading rounds the listed tensors by "
-            f"{sci_pm(c['load_rounding'])}: agreement at step 0, list - [], {pm(c['load_gain'], digits=2, sign='+')}. "
+            f"[] ({verdict(pr['grad_router'], 'list farther', 'list closer')}); at the end the router weight is "
+            f"{sci_pm(c['router_drift']['list'])} from the fp32 run's with the list, "
+            f"{sci_pm(c['router_drift']['none'])} with [] ({verdict(pr['router_drift'], 'list farther', 'list closer')})"
+            f". Loading rounds the listed tensors by "
+            f"{sci_pm(c['load_rounding'])} (relative; the forward at step 0, list - [], "
+            f"{pm(c['load_gain'], digits=2, sign='+', unit=' points')}). "
             f"Held-out loss minus the fp32 run's over the tail: {sci_pm(lst['held_out_diff_tail'], '+')} with "
             f"{label}, {sci_pm(none['held_out_diff_tail'], '+')} with [].")
     notes = [

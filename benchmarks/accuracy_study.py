@@ -1246,7 +1246,7 @@ def figure_caption(results):
                 f"({verdict(pr['agree_tail'])})")
         if any(verdict(pr[k]).startswith("list") for k in ("agree_tail", "compute_tail", "router_drift")):
             text += (f"; each alone, list - [] per seed: the forward (the fp32 run's weights in the two runs' "
-                     f"dtypes) {pm(pr['compute_tail']['interval'], sign='+', unit=' points')} "
+                     f"dtypes) {pm(pr['compute_tail']['interval'], digits=2, sign='+', unit=' points')} "
                      f"({verdict(pr['compute_tail'])}), rounding the listed tensors flipping "
                      f"{pm(c['forward_flip'], digits=2)} of the top-{info['k']} sets; the router weight's gradient "
                      f"{sci_pm(c['grad_router']['list'])} off fp32's with the list, {sci_pm(c['grad_router']['none'])} "

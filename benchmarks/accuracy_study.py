@@ -45,6 +45,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import sys
 import textwrap
@@ -715,6 +716,7 @@ def analyse_routing(setting, model_name, seed, out):
                         for k in ("list", "none")},
         "grad_others": {k: rel(grads[k][split:], grads["fp32"][split:]) if others else 0.0
                         for k in ("list", "none")},
+        "others_train": float(bool(others) and bool(grads["fp32"][split:].abs().sum() > 0)),
         # the loading: the listed tensors' rounding, and what it changes at step 0
         "load_rounding": rel(loaded.bfloat16().float(), loaded),
         "load_gain": rows["bf16_list"]["agree_0"] - rows["bf16_none"]["agree_0"],
@@ -843,7 +845,8 @@ def routing_tables(results):
                        sci_pm(c["forward_logits"]), pm(c["forward_gain"], digits=2, sign="+", unit=" points"),
                        f"{sci_pm(c['grad_router']['list'])} / {sci_pm(c['grad_router']['none'])}",
                        f"{sci_pm(c['grad_others']['list'])} / {sci_pm(c['grad_others']['none'])}"
-                       if info["others"] else "- (none but the router weight)", sci_pm(c["load_rounding"]),
+                       if c["others_train"][0] > 0 else
+                       ("- (no gradient)" if info["others"] else "- (none but the router weight)"), sci_pm(c["load_rounding"]),
                        pm(c["load_gain"], digits=2, sign="+", unit=" points"),
                        f"{sci_pm(c['router_drift']['list'])} / {sci_pm(c['router_drift']['none'])}"))
     header_a = ("model", "run", "agreement at step 0", "agreement, tail mean", "fp32 run's weights in this run's "
@@ -1026,7 +1029,8 @@ def plot_routing(results, args, out, setting):
                       fontsize=8)
         ax.set_xlim(-0.5, 1.6)
         ax.set_ylabel("points, tail mean")
-        ax.set_title(f"per seed (dots), mean and 95 % interval: {verdict(pr['agree_tail'])}", fontsize=9)
+        ax.set_title(f"per seed (dots), mean and 95 % interval\nagreement: {verdict(pr['agree_tail'])}; the forward "
+                     f"alone: {verdict(pr['compute_tail'])}", fontsize=9)
         ax.grid(alpha=0.3, axis="y")
     handles, names = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=2, fontsize=8)
@@ -1248,12 +1252,14 @@ def figure_caption(results):
             text += (f"; each alone, list - [] per seed: the forward (the fp32 run's weights in the two runs' "
                      f"dtypes) {pm(pr['compute_tail']['interval'], digits=2, sign='+', unit=' points')} "
                      f"({verdict(pr['compute_tail'])}), rounding the listed tensors flipping "
-                     f"{pm(c['forward_flip'], digits=2)} of the top-{info['k']} sets; the router weight's gradient "
-                     f"{sci_pm(c['grad_router']['list'])} off fp32's with the list, {sci_pm(c['grad_router']['none'])} "
-                     f"with [] ({verdict(pr['grad_router'], 'list farther', 'list closer')}); the loaded values "
-                     f"rounded by {sci_pm(c['load_rounding'])} (relative). Over training the router weight ends "
-                     f"{sci_pm(c['router_drift']['list'])} from the fp32 run's with the list, "
-                     f"{sci_pm(c['router_drift']['none'])} with [] ({verdict(pr['router_drift'], 'list farther', 'list closer')})")
+                     f"{pm(c['forward_flip'], digits=2)} of the top-{info['k']} sets; the router weight's gradient, "
+                     f"relative error to fp32's, list / []: {sci_pm(c['grad_router']['list'])} / "
+                     f"{sci_pm(c['grad_router']['none'])} ({verdict(pr['grad_router'], 'list farther', 'list closer')}); "
+                     f"the loaded values "
+                     f"rounded by {sci_pm(c['load_rounding'])} (relative), the forward at step 0 "
+                     f"{pm(c['load_gain'], digits=2, sign='+', unit=' points')}. Over training the router weight ends "
+                     f"{sci_pm(c['router_drift']['list'])} / {sci_pm(c['router_drift']['none'])} (list / []) from the "
+                     f"fp32 run's ({verdict(pr['router_drift'], 'list farther', 'list closer')})")
         parts.append(text)
     return ("Figure: agreement with the fp32 run (top), held-out loss against fp32's (middle), mean over the seeds "
             "with its 95 % interval (bands); bottom, the tail's agreement list - [] per seed. list - [], tail mean: " +
@@ -1314,7 +1320,7 @@ def main():
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    command = " ".join(["python benchmarks/accuracy_study.py"] + sys.argv[1:])
+    command = shlex.join(["python", "benchmarks/accuracy_study.py"] + sys.argv[1:])
 
     def describe_run(minutes):
         return {

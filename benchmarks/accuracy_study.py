@@ -451,7 +451,7 @@ def run_all(jobs, args, log_prefix=""):
     n = max(1, min(args.parallel, len(flat)))
     shares = groups if len(groups) == n else [flat[i::n] for i in range(n)]
     prefixes = [log_prefix + (f"{i}-" if n > 1 else "") for i in range(n)]
-    limit = getattr(args, "train_seconds", None)
+    limit = args.train_seconds
     start = time.time()
     with ThreadPoolExecutor(n) as pool:
         codes = list(
@@ -710,16 +710,13 @@ def analyse_routing(setting, model_name, seed, out):
         # the forward: the listed tensors rounded or not, everything else in bf16 (the tail's evaluations)
         "forward_flip": sum(forward_flip) / len(forward_flip),
         "forward_logits": sum(forward_logits) / len(forward_logits),
-        "forward_gain": rows["bf16_list"]["compute_tail"] - rows["bf16_none"]["compute_tail"],
         # the gradients, against fp32's
         "grad_router": {k: rel(grads[k][:split], grads["fp32"][:split])
                         for k in ("list", "none")},
         "grad_others": {k: rel(grads[k][split:], grads["fp32"][split:]) if others else 0.0
                         for k in ("list", "none")},
-        "others_train": float(bool(others) and bool(grads["fp32"][split:].abs().sum() > 0)),
-        # the loading: the listed tensors' rounding, and what it changes at step 0
+        # the loading: the listed tensors' rounding (what it changes at step 0: info["paired"]["agree_0"])
         "load_rounding": rel(loaded.bfloat16().float(), loaded),
-        "load_gain": rows["bf16_list"]["agree_0"] - rows["bf16_none"]["agree_0"],
         # the router weights' distance to the fp32 run's at the end
         "router_drift": {k: rows[r]["dist_final"]["router weight"][0]
                          for k, r in (("list", "bf16_list"), ("none", "bf16_none"))},
@@ -741,6 +738,8 @@ def analyse_routing(setting, model_name, seed, out):
         "cause": cause,
         "listed": listed,
         "others": others,
+        # whether the loss reaches them (ERNIE's routing bias is a parameter without gradient)
+        "others_train": bool(others) and bool(grads["fp32"][split:].abs().sum() > 0),
     }
     return info, rows, curves
 
@@ -842,12 +841,12 @@ def routing_tables(results):
                        verdict(pr["held_out_diff_tail"], "list's loss higher", "list's loss lower")))
         c = info["cause"]
         cause.append((MODELS[model_name], describe_keep(ROUTING_KEEP[model_name]), pm(c["forward_flip"], digits=2),
-                       sci_pm(c["forward_logits"]), pm(c["forward_gain"], digits=2, sign="+", unit=" points"),
+                       sci_pm(c["forward_logits"]), pm(pr["compute_tail"]["interval"], digits=2, sign="+", unit=" points"),
                        f"{sci_pm(c['grad_router']['list'])} / {sci_pm(c['grad_router']['none'])}",
                        f"{sci_pm(c['grad_others']['list'])} / {sci_pm(c['grad_others']['none'])}"
-                       if c["others_train"][0] > 0 else
+                       if info["others_train"] else
                        ("- (no gradient)" if info["others"] else "- (none but the router weight)"), sci_pm(c["load_rounding"]),
-                       pm(c["load_gain"], digits=2, sign="+", unit=" points"),
+                       pm(pr["agree_0"]["interval"], digits=2, sign="+", unit=" points"),
                        f"{sci_pm(c['router_drift']['list'])} / {sci_pm(c['router_drift']['none'])}"))
     header_a = ("model", "run", "agreement at step 0", "agreement, tail mean", "fp32 run's weights in this run's "
                 "dtypes, tail mean", "fp32 run's router on this run's inputs, tail mean",
@@ -1192,7 +1191,7 @@ def routing_markdown(results, args, path, setting):
             f"{sci_pm(c['router_drift']['none'])} with [] ({verdict(pr['router_drift'], 'list farther', 'list closer')})"
             f". Loading rounds the listed tensors by "
             f"{sci_pm(c['load_rounding'])} (relative; the forward at step 0, list - [], "
-            f"{pm(c['load_gain'], digits=2, sign='+', unit=' points')}). "
+            f"{pm(pr['agree_0']['interval'], digits=2, sign='+', unit=' points')}). "
             f"Held-out loss minus the fp32 run's over the tail: {sci_pm(lst['held_out_diff_tail'], '+')} with "
             f"{label}, {sci_pm(none['held_out_diff_tail'], '+')} with [].")
     notes = [
@@ -1257,7 +1256,7 @@ def figure_caption(results):
                      f"{sci_pm(c['grad_router']['none'])} ({verdict(pr['grad_router'], 'list farther', 'list closer')}); "
                      f"the loaded values "
                      f"rounded by {sci_pm(c['load_rounding'])} (relative), the forward at step 0 "
-                     f"{pm(c['load_gain'], digits=2, sign='+', unit=' points')}. Over training the router weight ends "
+                     f"{pm(pr['agree_0']['interval'], digits=2, sign='+', unit=' points')}. Over training the router weight ends "
                      f"{sci_pm(c['router_drift']['list'])} / {sci_pm(c['router_drift']['none'])} (list / []) from the "
                      f"fp32 run's ({verdict(pr['router_drift'], 'list farther', 'list closer')})")
         parts.append(text)

@@ -13,11 +13,12 @@ stage (STAGES) belongs to that stage's pull request. A few tests of a file test 
 
 import re
 
-ZERO3, PEFT, PARAM_OFFLOAD, ZERO12, BF16_OPTIMIZER, NO_ZERO, HPZ, NVME_OFFLOAD, MUON = 3, 4, 5, 6, 7, 8, 9, 10, 11
+ZERO3, PEFT, PARAM_OFFLOAD, ZERO12, BF16_OPTIMIZER, NO_ZERO, HPZ, NVME_OFFLOAD, MUON, FUSED_ADAM = 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
 
 FILES = {
     "unit/checkpoint/test_convert_checkpoint.py": 1,
     "unit/runtime/zero/test_zero_hp_links.py": 2,
+    "unit/ops/adam/test_fused_adam_steps.py": FUSED_ADAM,
     "unit/v1/half_precision/test_keep_in_fp32_modules.py": ZERO3,
     "unit/v1/half_precision/test_keep_in_fp32_neighbours.py": ZERO3,
     "unit/v1/half_precision/test_keep_in_fp32_transformers.py": ZERO3,

@@ -79,12 +79,13 @@ PULL_REQUESTS=(
     'zero-stage3-give-each-sub-group-its-own-step|-|keep the parameters a model names for fp32 in fp32 under ZeRO-3'
     'runtime-match-keep_in_fp32_modules-against-names-wit|3|match keep_in_fp32_modules against names without PEFT'"'"'s wrappers'
     'zero-stage3-offload-the-partitions|3|keep them in fp32 with ZeRO-3 CPU parameter offload'
-    'zero-stage_1_and_2-move-a-group|2 3 5|keep them in fp32 under ZeRO-1/2'
-    'bf16_optimizer-hold-parameters-kept-in-fp32|2 3 5 6|keep them in fp32 with the BF16 optimizer'
-    'fp16-fused_optimizer-hold-parameters|2 3 5 6 7|keep them in fp32 without ZeRO'
+    'zero-stage_1_and_2-move-a-group|2 3 5 12|keep them in fp32 under ZeRO-1/2'
+    'bf16_optimizer-hold-parameters-kept-in-fp32|2 3 5 12 6|keep them in fp32 with the BF16 optimizer'
+    'fp16-fused_optimizer-hold-parameters|2 3 5 12 6 7|keep them in fp32 without ZeRO'
     'zero-all-gather-hpZ-s-secondary|3|fetch hpZ'"'"'s secondary partitions of both dtypes in one all-gather'
-    'zero-keep-the-partitions-of-parameters-kept-in-fp32-|2 3 5 6 7 8|keep them in fp32 with ZeRO-3 parameter offload to NVMe'
-    'runtime-update-the-parameters-a-model-names-for-fp32|2 3 5 6 7 8 10|keep them in fp32 with the Muon optimizer'
+    'zero-keep-the-partitions-of-parameters-kept-in-fp32-|2 3 5 12 6 7 8|keep them in fp32 with ZeRO-3 parameter offload to NVMe'
+    'runtime-update-the-parameters-a-model-names-for-fp32|2 3 5 12 6 7 8 10|keep them in fp32 with the Muon optimizer'
+    'ops-adam-count-each-parameter-s-steps-in-FusedAdam|-|FusedAdam counts each parameter'"'"'s steps'
 )
 
 # Write the commits $PRISTINE_TAG..HEAD of the repo $1 as patch files into the folder $2, with a series file that

@@ -97,26 +97,6 @@ def _is_flat(value):
     return torch.is_tensor(value) and value.dim() > 0
 
 
-def _steps_like_fused_adam(optimizer, group):
-    """Whether ``group`` is stepped by FusedAdam: it advances and reads the step of the last parameter of a param
-    group only (its ``state`` leaks out of the loop over the group). Muon steps the groups it does not update by
-    FusedAdam where it has it (``aux_optimizer``)."""
-    if type(optimizer).__name__ == "FusedAdam":
-        return True
-    return type(getattr(optimizer, "aux_optimizer", None)).__name__ == "FusedAdam" and not group.get("use_muon")
-
-
-def _effective_state(optimizer, master):
-    """``master``'s state as its optimizer reads it: where FusedAdam steps it (_steps_like_fused_adam), with the step
-    of the last parameter of its param group, which counts for every master of the group."""
-    state = optimizer.state[master]
-    for group in optimizer.param_groups:
-        if (any(p is master for p in group["params"]) and _steps_like_fused_adam(optimizer, group)
-                and "step" in optimizer.state[group["params"][-1]]):
-            return dict(state, step=optimizer.state[group["params"][-1]]["step"])
-    return state
-
-
 def _full_tensor_state(engine, param, key, flat_state, offset):
     """The whole of ``param``'s tensor state ``key`` (None: its fp32 master), from ``flat_state``, this rank's flat
     tensor of it that holds the parameter at ``offset`` (None where this rank holds none of it). A collective under
@@ -144,7 +124,7 @@ def whole_state(engine):
     offsets = {}
     group_scalars = {}  # param group index -> the scalar states of its masters on this rank, those of padding too
     for master, held in masters:
-        state = _effective_state(optimizer, master)
+        state = optimizer.state[master]
         scalars = {key: _plain(value) for key, value in state.items() if not _is_flat(value)}
         group_scalars.setdefault(_group_index_of(optimizer, master, engine), []).append(scalars)
         keys = sorted(key for key, value in state.items() if _is_flat(value))
@@ -260,7 +240,7 @@ class Continuation:
         self.optimizer = base_optimizer(engine)
         self.loaded = {}
         for index, (master, _) in enumerate(_masters(engine)):
-            state = copy.deepcopy(dict(_effective_state(self.optimizer, master)))
+            state = copy.deepcopy(dict(self.optimizer.state[master]))
             self.loaded[id(master)] = (index, master, master.detach().clone(), state)
         self.calls = []
         self.handle = self.optimizer.register_step_pre_hook(self._record)
@@ -299,7 +279,7 @@ class Continuation:
         states = {}
         for ids, replica in replicas.items():
             for key in ids:
-                states[key] = _effective_state(replica, copies[key])
+                states[key] = replica.state[copies[key]]
         return copies, states
 
     def check(self, steps):
@@ -312,7 +292,7 @@ class Continuation:
         copies, states = self._replay()
         for key, (index, master, loaded, state) in self.loaded.items():
             assert stepped.get(key, 0) == steps, f"master {index} was stepped {stepped.get(key, 0)} times in {steps}"
-            now = _effective_state(self.optimizer, master)
+            now = self.optimizer.state[master]
             if "step" in state:
                 assert _plain(now["step"]) == _plain(state["step"]) + steps, \
                     f"master {index}: step {_plain(now['step'])}, loaded {_plain(state['step'])} + {steps} steps"

@@ -1,0 +1,112 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""DeepSpeed's FusedAdam counts the steps of each parameter in its own state, as torch's Adam does: every parameter
+that gets a gradient advances its ``state['step']`` once a step and is updated with that count, whatever other
+parameters and dtypes its param group holds (DeepSpeed 0.19.8 advanced only the state of the param group's last
+parameter, once per dtype, and updated every parameter with it). Run on the accelerator's build of the op (its CPU
+build on the CPU)."""
+
+import pytest
+import torch
+
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.adam import FusedAdam
+
+LR = 1e-2
+
+
+def _params(dtypes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    device = get_accelerator().device_name()
+    # values well inside each dtype's grid, so that bf16 and fp16 show an update of a tenth of LR
+    return [
+        torch.nn.Parameter((1e-2 * torch.randn(16, generator=generator)).to(device=device, dtype=dtype))
+        for dtype in dtypes
+    ]
+
+
+def _grads(params, step):
+    generator = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=generator).to(p) for p in params]
+
+
+def _reference(initial, grads_per_step):
+    """Each parameter, from its ``initial`` value, stepped alone by torch's Adam in fp32 (AdamW without weight decay
+    is Adam) with the gradients it got: None in a step where it had none."""
+    result = []
+    for index, value in enumerate(initial):
+        copy = torch.nn.Parameter(value.float().cpu().clone())
+        optimizer = torch.optim.AdamW([copy], lr=LR, weight_decay=0.0)
+        for grads in grads_per_step:
+            if grads[index] is None:
+                continue
+            copy.grad = grads[index].float().cpu()
+            optimizer.step()
+        result.append((copy.detach(), optimizer.state[copy]["step"].item()))
+    return result
+
+
+def _run(params, grads_per_step):
+    optimizer = FusedAdam(params, lr=LR, weight_decay=0.0)
+    for grads in grads_per_step:
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        optimizer.step()
+    return optimizer
+
+
+def _check(initial, params, optimizer, grads_per_step):
+    for index, (param, (want, steps)) in enumerate(zip(params, _reference(initial, grads_per_step))):
+        assert optimizer.state[param]["step"] == steps, \
+            f"parameter {index} ({param.dtype}): step {optimizer.state[param]['step']}, it took {steps}"
+        tolerance = dict(rtol=1e-5, atol=1e-7) if param.dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
+        torch.testing.assert_close(param.detach().float().cpu(), want, **tolerance)
+
+
+@pytest.mark.parametrize("dtypes", [
+    [torch.float32] * 3,
+    [torch.bfloat16, torch.float32, torch.float32],
+    [torch.float16, torch.bfloat16, torch.float32],
+],
+                         ids=["fp32", "bf16+fp32", "fp16+bf16+fp32"])
+def test_each_parameter_counts_its_steps(dtypes):
+    """Three steps of a param group of several parameters, of one dtype or several: each parameter's step is 3 and
+    its value is Adam's with its own count (0.19.8: steps [0, 0, 3] for one dtype, [0, 0, 6] for two)."""
+    params = _params(dtypes)
+    grads_per_step = [_grads(params, step) for step in range(3)]
+    initial = [p.detach().clone() for p in params]
+    optimizer = _run(params, grads_per_step)
+    _check(initial, params, optimizer, grads_per_step)
+
+
+def test_parameter_without_gradient_keeps_its_count():
+    """A parameter without a gradient in the first step takes one step less, and is updated with its own count
+    (0.19.8 updated it with the last parameter's)."""
+    params = _params([torch.float32] * 3)
+    grads_per_step = [_grads(params, step) for step in range(3)]
+    grads_per_step[0][0] = None
+    initial = [p.detach().clone() for p in params]
+    optimizer = _run(params, grads_per_step)
+    _check(initial, params, optimizer, grads_per_step)
+
+
+def test_state_dict_keeps_each_count():
+    """The saved state holds each parameter's count (``step`` an int, as before), and a new optimizer loading it
+    continues as the one that saved it."""
+    params = _params([torch.float32] * 3)
+    grads_per_step = [_grads(params, step) for step in range(4)]
+    grads_per_step[0][1] = None
+    initial = [p.detach().clone() for p in params]
+    optimizer = _run(params, grads_per_step[:2])
+    saved = optimizer.state_dict()
+    assert [saved["state"][index]["step"] for index in range(3)] == [2, 1, 2]
+    assert all(type(state["step"]) is int for state in saved["state"].values())
+    resumed = FusedAdam(params, lr=LR, weight_decay=0.0)
+    resumed.load_state_dict(saved)
+    for grads in grads_per_step[2:]:
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        resumed.step()
+    _check(initial, params, resumed, grads_per_step)

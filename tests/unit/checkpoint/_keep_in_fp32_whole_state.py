@@ -25,7 +25,9 @@ replay.
 """
 
 import copy
+import glob
 import inspect
+import os
 
 import torch
 
@@ -314,3 +316,60 @@ class Continuation:
             for name, value in states[key].items():
                 assert _same_bits(value, now[name]), \
                     f"master {index}: {name} is not what its optimizer makes of the loaded state in {steps} steps"
+
+
+def check_steps(engine, steps, every_master):
+    """Every master's ``step`` in memory is ``steps``; with ``every_master`` each master has one (Adam's; SGD keeps
+    none, Muon's matrices neither)."""
+    optimizer = base_optimizer(engine)
+    for index, (master, held) in enumerate(_masters(engine)):
+        state = optimizer.state[master]
+        names = [name for name, _, _ in held]
+        assert "step" in state or not every_master, f"master {index} ({names}) has no step: {sorted(state)}"
+        if "step" in state:
+            assert _plain(state["step"]) == steps, f"master {index} ({names}): step {_plain(state['step'])}, " \
+                f"{steps} steps taken"
+
+
+def _optimizer_state_dicts(value, where=()):
+    """The torch optimizer state dicts (a dict with "state" and "param_groups") in ``value``, a loaded checkpoint
+    file, with where each lies."""
+    if isinstance(value, dict):
+        if isinstance(value.get("state"), dict) and isinstance(value.get("param_groups"), list):
+            yield where, value
+            return
+        for key, item in value.items():
+            yield from _optimizer_state_dicts(item, where + (key, ))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _optimizer_state_dicts(item, where + (index, ))
+
+
+def check_saved_steps(tag_dir, steps, every_master):
+    """In a saved checkpoint (``tag_dir``: its tag's folder), every base-optimizer state's ``step`` is ``steps``, in
+    each rank's optimizer-state file (ZeRO's ``*optim_states.pt``; without ZeRO the model-states file holds it); in a
+    universal checkpoint's folder, each parameter's ``step.pt``. With ``every_master`` each state has one."""
+    universal = glob.glob(os.path.join(tag_dir, "zero", "*"))
+    if universal:
+        for folder in sorted(universal):
+            path = os.path.join(folder, "step.pt")
+            if not os.path.exists(path):
+                assert not every_master, f"{folder} holds no step.pt"
+                continue
+            value = _plain(torch.load(path, weights_only=False))
+            assert value == steps, f"{path}: step {value}, {steps} steps taken"
+        return
+    files = sorted(glob.glob(os.path.join(tag_dir, "*optim_states.pt")))
+    if not files:
+        files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    assert files, f"{tag_dir} holds no optimizer states"
+    for path in files:
+        found = list(_optimizer_state_dicts(torch.load(path, map_location="cpu", weights_only=False)))
+        assert found, f"{path} holds no optimizer state dict"
+        for where, state_dict in found:
+            assert state_dict["state"] or not every_master, f"{path} {where}: no state"
+            for key, state in state_dict["state"].items():
+                assert "step" in state or not every_master, f"{path} {where}: state {key} has no step: {sorted(state)}"
+                if "step" in state:
+                    assert _plain(state["step"]) == steps, \
+                        f"{path} {where}: state {key} has step {_plain(state['step'])}, {steps} steps taken"

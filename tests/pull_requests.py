@@ -28,6 +28,9 @@ FILES = {
     "unit/v1/half_precision/test_keep_in_fp32_stages.py": ZERO3,
     "unit/checkpoint/test_keep_in_fp32_checkpoints.py": ZERO3,
     "unit/checkpoint/test_keep_in_fp32_resume.py": ZERO3,
+    "unit/checkpoint/test_keep_in_fp32_load_errors.py": ZERO3,
+    "unit/checkpoint/test_keep_in_fp32_read_own_share.py": ZERO12,
+    "unit/checkpoint/test_checkpoint_conformance.py": ZERO3,
     "unit/v1/half_precision/test_keep_in_fp32_trainer.py": ZERO3,
     "unit/v1/half_precision/test_keep_in_fp32_peft.py": PEFT,
     "unit/v1/half_precision/test_keep_in_fp32_param_offload.py": PARAM_OFFLOAD,
@@ -56,10 +59,18 @@ MIXED = [
     "unit/v1/half_precision/test_keep_in_fp32_stages.py",
     "unit/checkpoint/test_keep_in_fp32_checkpoints.py",
     "unit/checkpoint/test_keep_in_fp32_resume.py",
+    "unit/checkpoint/test_checkpoint_conformance.py",
     "unit/v1/half_precision/test_keep_in_fp32_trainer.py",
 ]
 
 TESTS = {
+    # the conformance matrix's Muon column: its ZeRO-1/2/3 cells test the Muon pull request (which applies on those
+    # of the stages); its other cells go by their row (STAGES). FusedAdam's cells of ZeRO-0/1/2 and the BF16
+    # optimizer need FusedAdam's steps per parameter (pull request 12), on which those rows' pull requests apply.
+    **{
+        f"unit/checkpoint/test_checkpoint_conformance.py::TestCheckpointConformance::test_cell[{row}-muon-": MUON
+        for row in ("zero1", "zero2", "zero3")
+    },
     # cases whose id names no stage
     "unit/v1/half_precision/test_keep_in_fp32_peft.py::TestLoraOnListedRouter::test_base_layer_kept_and_exported_exactly[2]":
     ZERO12,

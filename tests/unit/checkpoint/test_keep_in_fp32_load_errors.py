@@ -1,0 +1,42 @@
+# Copyright (c) DeepSpeed Team.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""A ZeRO-3 load that moves a checkpoint's states into other sub-groups (another ``data_types.keep_in_fp32_modules``)
+fails on every rank where one rank finds its file cannot be loaded, with that rank's error: no rank goes on to wait
+for the others at a later collective. Here rank 1's file holds a sub-group of another size than the checkpoint's
+parameters (it was not saved with them); rank 0's file is fine."""
+
+import glob
+import os
+
+import pytest
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
+from unit.common import DistributedTest
+from unit.v1.half_precision.test_keep_in_fp32_modules import _config, _engine, _train
+
+
+class TestZero3RemapErrorOnEveryRank(DistributedTest):
+    world_size = 2
+
+    def test_every_rank_raises_the_first_error(self, tmp_path):
+        save_dir = str(tmp_path / "ckpt")
+        config = _config(keep=[])
+        engine = _engine(config)
+        _train(engine, config, steps=1)
+        engine.save_checkpoint(save_dir, tag="step1")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (path, ) = glob.glob(os.path.join(save_dir, "step1", "*zero_pp_rank_1_*optim_states.pt"))
+            checkpoint = torch.load(path, weights_only=False)
+            flat_groups = checkpoint[OPTIMIZER_STATE_DICT][FP32_FLAT_GROUPS]
+            flat_groups[0] = flat_groups[0][:-1].clone()
+            torch.save(checkpoint, path)
+        dist.barrier()
+
+        loaded = _engine(_config(keep="auto"))  # keeps the sinks: other sub-groups than the checkpoint's
+        with pytest.raises(RuntimeError, match="failed on data parallel rank 1: .*other sizes than its parameters"):
+            loaded.load_checkpoint(save_dir, tag="step1")

@@ -56,10 +56,11 @@ class RouterSinkNet(SinkNet):
 
 
 def kept_names(keep):
-    """The parameters of RouterSinkNet that ``keep`` (data_types.keep_in_fp32_modules, "auto": the model's list)
-    keeps in fp32."""
+    """The parameters and buffers of RouterSinkNet that ``keep`` (data_types.keep_in_fp32_modules, "auto": the
+    model's list) keeps in fp32."""
     listed = RouterSinkNet._keep_in_fp32_modules_strict if keep == "auto" else keep
-    names = [name for name, _ in RouterSinkNet().named_parameters()]
+    model = RouterSinkNet()
+    names = [name for name, _ in model.named_parameters()] + [name for name, _ in model.named_buffers()]
     return {name for name in names if any(entry in name for entry in listed)}
 
 
@@ -136,6 +137,8 @@ def save_run(ds_config, out):
                      whole_state=saved,
                      next_losses=_of_every_rank(next_losses),
                      next_whole_state=whole_state(model_engine),
+                     buffers={name: buf.detach().cpu().clone()
+                              for name, buf in model_engine.module.named_buffers()},
                      optimizer=type(model_engine.optimizer).__name__)
     dist.barrier()
     if dist.get_rank() == 0:

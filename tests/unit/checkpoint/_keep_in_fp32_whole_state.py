@@ -345,19 +345,37 @@ def _optimizer_state_dicts(value, where=()):
             yield from _optimizer_state_dicts(item, where + (index, ))
 
 
+def _check_state_dict_steps(state_dict, steps, every_master, where):
+    assert state_dict["state"] or not every_master, f"{where}: no state"
+    for key, state in state_dict["state"].items():
+        assert "step" in state or not every_master, f"{where}: state {key} has no step: {sorted(state)}"
+        if "step" in state:
+            assert _plain(state["step"]) == steps, \
+                f"{where}: state {key} has step {_plain(state['step'])}, {steps} steps taken"
+
+
 def check_saved_steps(tag_dir, steps, every_master):
-    """In a saved checkpoint (``tag_dir``: its tag's folder), every base-optimizer state's ``step`` is ``steps``, in
+    """In a saved checkpoint (``tag_dir``: its tag's folder), every base-optimizer state's ``step`` is ``steps``: in
     each rank's optimizer-state file (ZeRO's ``*optim_states.pt``; without ZeRO the model-states file holds it); in a
-    universal checkpoint's folder, each parameter's ``step.pt``. With ``every_master`` each state has one."""
-    universal = glob.glob(os.path.join(tag_dir, "zero", "*"))
-    if universal:
-        for folder in sorted(universal):
-            path = os.path.join(folder, "step.pt")
-            if not os.path.exists(path):
-                assert not every_master, f"{folder} holds no step.pt"
+    universal checkpoint's folder, in each parameter's ``step.pt`` and in the states its ``optimizer_state.pt`` holds
+    (ZeRO-3's, which holds no ``step.pt``). With ``every_master`` each state has one, and so has each parameter of a
+    universal checkpoint (in its ``step.pt`` or there)."""
+    zero = os.path.join(tag_dir, "zero")
+    if os.path.isdir(zero):
+        shared = list(_optimizer_state_dicts(torch.load(os.path.join(zero, "optimizer_state.pt"), weights_only=False)))
+        for where, state_dict in shared:
+            _check_state_dict_steps(state_dict, steps, every_master, f"{zero}/optimizer_state.pt {where}")
+        folders = [f for f in sorted(glob.glob(os.path.join(zero, "*"))) if os.path.isdir(f)]
+        assert folders, f"{zero} holds no parameter"
+        for folder in folders:
+            if set(os.listdir(folder)) <= {"fp32.pt"}:  # a buffer's, or a parameter's without optimizer states
                 continue
-            value = _plain(torch.load(path, weights_only=False))
-            assert value == steps, f"{path}: step {value}, {steps} steps taken"
+            path = os.path.join(folder, "step.pt")
+            if os.path.exists(path):
+                value = _plain(torch.load(path, weights_only=False))
+                assert value == steps, f"{path}: step {value}, {steps} steps taken"
+            else:
+                assert not every_master or shared, f"{folder} holds no step.pt, and {zero}/optimizer_state.pt no states"
         return
     files = sorted(glob.glob(os.path.join(tag_dir, "*optim_states.pt")))
     if not files:
@@ -367,9 +385,4 @@ def check_saved_steps(tag_dir, steps, every_master):
         found = list(_optimizer_state_dicts(torch.load(path, map_location="cpu", weights_only=False)))
         assert found, f"{path} holds no optimizer state dict"
         for where, state_dict in found:
-            assert state_dict["state"] or not every_master, f"{path} {where}: no state"
-            for key, state in state_dict["state"].items():
-                assert "step" in state or not every_master, f"{path} {where}: state {key} has no step: {sorted(state)}"
-                if "step" in state:
-                    assert _plain(state["step"]) == steps, \
-                        f"{path} {where}: state {key} has step {_plain(state['step'])}, {steps} steps taken"
+            _check_state_dict_steps(state_dict, steps, every_master, f"{path} {where}")

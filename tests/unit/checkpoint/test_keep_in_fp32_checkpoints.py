@@ -2,18 +2,16 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Checkpoints of runs that keep parameters in fp32 (``data_types.keep_in_fp32_modules``) move between DeepSpeed
-versions, settings and world sizes with nothing lost.
+"""Checkpoints of runs that keep parameters in fp32 (``data_types.keep_in_fp32_modules``): what the conformance matrix
+(test_checkpoint_conformance.py: every stage, optimizer and path, the upgrade from stock DeepSpeed 0.19.8 and
+universal checkpoints included) does not make.
 
-- Upgrade: a ZeRO-3 checkpoint that pristine DeepSpeed 0.19.8 itself saves (in a subprocess with the pristine tree
-  named by ``$DS_PRISTINE_TREE`` on PYTHONPATH; skipped without it), where the listed parameters trained in bf16,
-  loads into a run that keeps them in fp32 with every master and Adam moment exact. So do a ZeRO-2 and a ZeRO-1
-  one, whose fp32 partitions are laid out per param group, not per group of one dtype: each parameter's master and
-  moments move to where the run holds them; the ZeRO-2 one moves through ds_to_universal exactly too. So do the
-  checkpoints of the BF16 optimizer and of stage 0 (FusedAdam in FP16_Optimizer, bf16 and fp16), whose flat masters
-  are laid out per param group too.
-- Universal checkpoints: a world-size-2 (and a world-size-3) save, converted by ds_to_universal, loads at world
-  sizes 1, 2 and 3 with the same list and with others, every master and moment exact.
+- Upgrade: a ZeRO-2 checkpoint that pristine DeepSpeed 0.19.8 saved with round_robin_gradients, and a stage-0 fp16
+  one (in a subprocess with the pristine tree named by ``$DS_PRISTINE_TREE`` on PYTHONPATH; skipped without it),
+  load into a run that keeps the listed parameters in fp32 with every master and Adam moment exact.
+- Universal checkpoints with frozen parameters: a world-size-3 save, converted by ds_to_universal, loads at world
+  size 2 with the same list and with others, every master and moment exact; at another data-parallel size a ZeRO-2
+  checkpoint moves through ds_to_universal with no optimizer state crossing ranks (nightly).
 - zero_to_fp32: trainable and frozen parameters, kept in fp32 or not, come back exactly in every export path.
 
 A universal checkpoint does not restore frozen parameters under ZeRO-3, with or without the series: a strict xfail
@@ -37,7 +35,7 @@ from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_maste
                                                        whole_state)
 from unit.common import DistributedTest
 from unit.checkpoint._keep_in_fp32_checkpoint_run import (NORM_VALUES, SINK_VALUES, STEPS, TAG, config, engine,
-                                                          gathered, snapshot, to_universal, train)
+                                                          gathered, snapshot, train)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_keep_in_fp32_checkpoint_run.py")
 KEPT_AUTO = {"attn.sinks", "attn.sink_gate", "norm.weight", "norm.bias"}  # what SinkNet lists ("sink", "norm")
@@ -101,31 +99,6 @@ def _save_in_subprocess(out, world_size, *args, pristine_tree=None):
 
 
 @pytest.fixture(scope="module")
-def pristine_save(tmp_path_factory):
-    """A checkpoint that pristine DeepSpeed 0.19.8 saved at world size 2: nothing kept (the sinks train in bf16)."""
-    tree = _pristine_tree()
-    out = tmp_path_factory.mktemp("pristine_save")
-    reference = _save_in_subprocess(out, 2, pristine_tree=tree)
-    assert reference["deepspeed_version"].strip() == "0.19.8", reference["deepspeed_version"]
-    for name, entry in reference["params"].items():
-        assert entry["value"].dtype == torch.bfloat16, f"pristine 0.19.8 kept {name} in {entry['value'].dtype}"
-    return str(out)
-
-
-@pytest.fixture(scope="module", params=[2, pytest.param(1, marks=pytest.mark.nightly)], ids=["zero2", "zero1"])
-def pristine_save_zero12(request, tmp_path_factory):
-    """A ZeRO-2 (or ZeRO-1) checkpoint that pristine DeepSpeed 0.19.8 saved at world size 2 (nothing kept); returns
-    (its directory, the stage)."""
-    tree = _pristine_tree()
-    out = tmp_path_factory.mktemp(f"pristine_save_zero{request.param}")
-    reference = _save_in_subprocess(out, 2, "--stage", str(request.param), pristine_tree=tree)
-    assert reference["deepspeed_version"].strip() == "0.19.8", reference["deepspeed_version"]
-    for name, entry in reference["params"].items():
-        assert entry["value"].dtype == torch.bfloat16, f"pristine 0.19.8 kept {name} in {entry['value'].dtype}"
-    return str(out), request.param
-
-
-@pytest.fixture(scope="module")
 def pristine_save_round_robin(tmp_path_factory):
     """A ZeRO-2 checkpoint that pristine DeepSpeed 0.19.8 saved at world size 2 with round_robin_gradients (nothing
     kept): its flat groups hold the parameters in round-robin order, as its param_shapes list them, and its
@@ -137,24 +110,17 @@ def pristine_save_round_robin(tmp_path_factory):
     return str(out)
 
 
-# the other optimizers whose flat masters 0.19.8 lays out per param group: (config(), the saving script's options)
+# the fp16 optimizer whose flat masters 0.19.8 lays out per param group (the conformance matrix trains in bf16):
+# (config(), the saving script's options)
 FLAT_MASTERS = {
-    "bf16_optimizer": (dict(stage=1, bf16_optimizer=True), ["--stage", "1", "--bf16-optimizer"]),
-    "zero0_bf16": (dict(stage=0), ["--stage", "0"]),
     "zero0_fp16": (dict(stage=0, dtype="fp16"), ["--stage", "0", "--dtype", "fp16"]),
-    "zero0_torch_adam": (dict(stage=0, torch_adam=True), ["--stage", "0", "--torch-adam"]),
 }
 
 
-@pytest.fixture(scope="module",
-                params=[
-                    "bf16_optimizer", "zero0_torch_adam",
-                    pytest.param("zero0_bf16", marks=pytest.mark.nightly),
-                    pytest.param("zero0_fp16", marks=pytest.mark.nightly)
-                ])
+@pytest.fixture(scope="module", params=[pytest.param("zero0_fp16", marks=pytest.mark.nightly)])
 def pristine_save_flat_masters(request, tmp_path_factory):
-    """A checkpoint of the BF16 optimizer (or of FP16_Optimizer at stage 0) that pristine DeepSpeed 0.19.8 saved at
-    world size 2 (nothing kept); returns (its directory, the key of FLAT_MASTERS)."""
+    """A checkpoint of FP16_Optimizer at stage 0 in fp16 that pristine DeepSpeed 0.19.8 saved at world size 2 (nothing
+    kept); returns (its directory, the key of FLAT_MASTERS)."""
     tree = _pristine_tree()
     out = tmp_path_factory.mktemp(f"pristine_save_{request.param}")
     reference = _save_in_subprocess(out, 2, *FLAT_MASTERS[request.param][1], pristine_tree=tree)
@@ -163,14 +129,6 @@ def pristine_save_flat_masters(request, tmp_path_factory):
     for name, entry in reference["params"].items():
         assert entry["value"].dtype == half, f"pristine 0.19.8 kept {name} in {entry['value'].dtype}"
     return str(out), request.param
-
-
-@pytest.fixture(scope="module")
-def universal_save_ws2(tmp_path_factory):
-    """A checkpoint saved at world size 2 with the model's list ("auto"), and its universal conversion."""
-    out = tmp_path_factory.mktemp("universal_ws2")
-    _save_in_subprocess(out, 2, "--universal")
-    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -246,29 +204,6 @@ def _check_training_continues(model_engine, kept):
         assert torch.equal(new.bfloat16(), old.bfloat16()), "updates this small do not show in bf16"
 
 
-class TestUpgradeFromPristine(DistributedTest):
-    """A ZeRO-3 checkpoint saved by pristine DeepSpeed 0.19.8 (same world size, the listed parameters trained in
-    bf16) loads into a run that keeps them in fp32: its optimizer sub-groups are remapped per parameter."""
-    world_size = 2
-
-    def test_pristine_checkpoint_loads_with_optimizer_states(self, pristine_save):
-        tree = _pristine_tree()
-        saved = _reference(pristine_save)
-        assert saved["deepspeed_file"].startswith(os.path.join(tree, "deepspeed") + os.sep), saved["deepspeed_file"]
-        # the pristine masters of the sinks moved off the bf16 grid, which pristine's bf16 sinks cannot show
-        sinks = saved["params"]["attn.sinks"]
-        assert not torch.equal(sinks["master"], sinks["master"].bfloat16().float())
-
-        loaded = engine(config())  # "auto": the sinks and the norm in fp32
-        load_path, _ = loaded.load_checkpoint(os.path.join(pristine_save, "ckpt"))
-        assert load_path is not None
-        assert loaded.global_steps == STEPS
-        _check_loaded(loaded, saved, KEPT_AUTO)
-        assert loaded.module.bias_buf.dtype == torch.float32
-        assert torch.equal(loaded.module.bias_buf.cpu(), saved["buffers"]["bias_buf"])
-        _check_training_continues(loaded, KEPT_AUTO)
-
-
 def _resume(run_config, ckpt, saved):
     """An engine of ``run_config`` that loaded ``ckpt`` (at step STEPS), with every parameter's master and Adam
     moments as ``saved`` has them; returns it and the path it loaded."""
@@ -278,35 +213,6 @@ def _resume(run_config, ckpt, saved):
     assert loaded.global_steps == STEPS
     _check_loaded(loaded, saved, KEPT_AUTO)
     return loaded, load_path
-
-
-class TestUpgradeFromPristineZero2(DistributedTest):
-    """A ZeRO-2 (and ZeRO-1) checkpoint saved by pristine DeepSpeed 0.19.8 holds one fp32 partition per param group;
-    a run that keeps the model's list holds the kept parameters in groups of their own. engine.load_checkpoint()
-    moves each parameter's master and Adam moments to where this run holds them, exactly, as it does under ZeRO-3;
-    the universal checkpoint that ds_to_universal makes of it loads exactly too."""
-    world_size = 2
-
-    def test_pristine_checkpoint_loads_with_optimizer_states(self, pristine_save_zero12):
-        import deepspeed.comm as dist
-        save_dir, stage = pristine_save_zero12
-        saved = _reference(save_dir)
-        sinks = saved["params"]["attn.sinks"]
-        assert not torch.equal(sinks["master"], sinks["master"].bfloat16().float())
-        ckpt = os.path.join(save_dir, "ckpt")
-
-        loaded, load_path = _resume(config(stage=stage), ckpt, saved)  # "auto": the sinks and the norm in fp32
-        assert f"{TAG}_universal" not in load_path, load_path
-        _check_training_continues(loaded, KEPT_AUTO)
-
-        if stage == 1:
-            return
-        if dist.get_rank() == 0:
-            to_universal(ckpt)
-        dist.barrier()
-        loaded, load_path = _resume(config(stage=stage, load_universal=True), ckpt, saved)
-        assert f"{TAG}_universal" in load_path, load_path
-        _check_training_continues(loaded, KEPT_AUTO)
 
 
 class TestUpgradeFromPristineRoundRobin(DistributedTest):
@@ -334,11 +240,10 @@ class TestUpgradeFromPristineRoundRobin(DistributedTest):
 
 
 class TestUpgradeFromPristineFlatMasters(DistributedTest):
-    """A checkpoint of the BF16 optimizer (and of FP16_Optimizer at stage 0, bf16 and fp16) saved by pristine
-    DeepSpeed 0.19.8 holds one flat fp32 master per param group; a run that keeps the model's list holds the kept
-    parameters in sub-groups of their own. engine.load_checkpoint() moves each parameter's master and Adam moments
-    to where this run holds them, exactly. FP16_UnfusedOptimizer (torch's Adam at stage 0) keeps a master per
-    parameter: the load gives a kept parameter its master's exact value, not the module's rounded one."""
+    """A checkpoint of FP16_Optimizer at stage 0 in fp16 saved by pristine DeepSpeed 0.19.8 holds one flat fp32 master
+    per param group; a run that keeps the model's list holds the kept parameters in sub-groups of their own.
+    engine.load_checkpoint() moves each parameter's master and Adam moments to where this run holds them, exactly
+    (the bf16 stage-0 and BF16-optimizer upgrades are the conformance matrix's stock_to_list cells)."""
     world_size = 2
 
     def test_pristine_checkpoint_loads_with_optimizer_states(self, pristine_save_flat_masters):
@@ -349,14 +254,10 @@ class TestUpgradeFromPristineFlatMasters(DistributedTest):
 
         # "auto": the sinks and the norm in fp32
         loaded, _ = _resume(config(**FLAT_MASTERS[kind][0]), os.path.join(save_dir, "ckpt"), saved)
-        want = {
-            "bf16_optimizer": "BF16_Optimizer",
-            "zero0_torch_adam": "FP16_UnfusedOptimizer"
-        }.get(kind, "FP16_Optimizer")
-        assert type(loaded.optimizer).__name__ == want
+        assert type(loaded.optimizer).__name__ == "FP16_Optimizer"
         # Adam's step is carried
         steps = {int(state["step"]) for state in loaded.optimizer.optimizer.state.values()}
-        assert steps == {STEPS + (kind != "bf16_optimizer")}, steps  # the fp16 optimizers step once at init
+        assert steps == {STEPS + 1}, steps  # the fp16 optimizers step once at init
         _check_training_continues(loaded, KEPT_AUTO)
 
 
@@ -380,14 +281,12 @@ def _check_universal(save_dir):
 
 
 class TestUniversalCheckpoint(DistributedTest):
-    """A world-size-2 save with the model's list, converted by ds_to_universal, loads at world sizes 1, 2 and 3 with
-    the same list and with others; at world size 2, so does a world-size-3 save with frozen parameters (3 -> 2)."""
-    world_size = [1, 2, 3]
+    """A world-size-3 save with frozen parameters, converted by ds_to_universal, loads at world size 2 (3 -> 2) with
+    the same list and with others (the conformance matrix's universal cells have no frozen parameters)."""
+    world_size = 2
 
-    def test_load_universal(self, universal_save_ws2, frozen_save_ws3):
-        _check_universal(universal_save_ws2)
-        if self.world_size == 2:
-            _check_universal(frozen_save_ws3)
+    def test_load_universal(self, frozen_save_ws3):
+        _check_universal(frozen_save_ws3)
 
 
 # nightly: the fast subset checks the upgrade resume's traffic without ds_to_universal (test_keep_in_fp32_zero12.py's

@@ -13,8 +13,8 @@ data-parallel size 1,024 for a Llama-like model of 32 layers with two kept norms
 The bound, from the partition geometry: each piece of a parameter that a rank's new partitions hold (``numel``
 elements) lies in one saved flat group ``h``, partitioned ``P_h`` elements a rank, so at most ``ceil(numel / P_h) + 1``
 saving ranks hold it, and a rank opens at most ``1 + sum over its pieces of (ceil(numel / P_h) + 1)`` files. Measured
-at 1,024 ranks: keeping the norms -> ``[]``, 921 ranks open 2 files (their own and a neighbour's) and the 64 whose
-new partition holds a norm 16 to 19: a kept group of 65 norms of 4,096 elements over 1,024 ranks is 260 elements a
+at 1,024 ranks: keeping the norms -> ``[]``, 921 ranks open 2 files (their own and a neighbour's), 37 open 3, 2
+open 8, and the 64 whose new partition holds a whole norm 16 to 19: a kept group of 65 norms of 4,096 elements over 1,024 ranks is 260 elements a
 rank, so a norm comes from 16 or 17 of them; ``[]`` -> keeping them, every rank opens 2 to 4. A job opens about
 3 x dp files (3,089 both ways), each saved file read by its own rank and two others at most on average: O(dp), not
 O(dp x layers) as when each rank read every kept parameter whole from every file that holds a piece of it.

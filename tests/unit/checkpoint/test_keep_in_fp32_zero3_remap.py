@@ -3,9 +3,14 @@
 
 # DeepSpeed Team
 """A ZeRO-3 load that moves a checkpoint's states into other sub-groups (another ``data_types.keep_in_fp32_modules``)
-fails on every rank where one rank finds its file cannot be loaded, with that rank's error: no rank goes on to wait
-for the others at a later collective. Here rank 1's file holds a sub-group of another size than the checkpoint's
-parameters (it was not saved with them); rank 0's file is fine."""
+does what a load of the same sub-groups does at its edges:
+
+- it fails on every rank where one rank finds its file cannot be loaded, with that rank's error: no rank goes on to
+  wait for the others at a later collective (here rank 1's file holds a sub-group of another size than the
+  checkpoint's parameters; rank 0's file is fine);
+- a checkpoint saved before the first step (no optimizer state yet) gives the run its saved param groups'
+  hyperparameters, as stock's load does.
+"""
 
 import glob
 import os
@@ -19,7 +24,7 @@ from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import _config, _engine, _train
 
 
-class TestZero3RemapErrorOnEveryRank(DistributedTest):
+class TestZero3Remap(DistributedTest):
     world_size = 2
 
     def test_every_rank_raises_the_first_error(self, tmp_path):
@@ -40,3 +45,18 @@ class TestZero3RemapErrorOnEveryRank(DistributedTest):
         loaded = _engine(_config(keep="auto"))  # keeps the sinks: other sub-groups than the checkpoint's
         with pytest.raises(RuntimeError, match="failed on data parallel rank 1: .*other sizes than its parameters"):
             loaded.load_checkpoint(save_dir, tag="step1")
+
+    def test_hyperparameters_of_a_checkpoint_without_state(self, tmp_path):
+        save_dir = str(tmp_path / "ckpt")
+        config = _config(keep=[])
+        config["optimizer"]["params"].update(lr=2e-5, betas=[0.8, 0.9], weight_decay=0.125)
+        engine = _engine(config)
+        engine.save_checkpoint(save_dir, tag="step0")  # before any step: the optimizer holds no state
+        saved = [{key: value for key, value in group.items() if key != "params"}
+                 for group in engine.optimizer.optimizer.param_groups]
+
+        loaded = _engine(_config(keep="auto"))
+        assert loaded.load_checkpoint(save_dir, tag="step0")[0] is not None
+        got = [{key: value for key, value in group.items() if key != "params"}
+               for group in loaded.optimizer.optimizer.param_groups]
+        assert got == saved

@@ -67,10 +67,9 @@ TESTS = {
     # the conformance matrix's Muon column: its ZeRO-1/2/3 cells test the Muon pull request (which applies on those
     # of the stages); its other cells go by their row (STAGES). FusedAdam's cells of ZeRO-0/1/2 and the BF16
     # optimizer need FusedAdam's steps per parameter (pull request 12), on which those rows' pull requests apply.
-    **{
-        f"unit/checkpoint/test_checkpoint_conformance.py::TestCheckpointConformance::test_cell[{row}-muon-": MUON
-        for row in ("zero1", "zero2", "zero3")
-    },
+    "unit/checkpoint/test_checkpoint_conformance.py::TestCheckpointConformance::test_cell[zero1-muon-": MUON,
+    "unit/checkpoint/test_checkpoint_conformance.py::TestCheckpointConformance::test_cell[zero2-muon-": MUON,
+    "unit/checkpoint/test_checkpoint_conformance.py::TestCheckpointConformance::test_cell[zero3-muon-": MUON,
     # cases whose id names no stage
     "unit/v1/half_precision/test_keep_in_fp32_peft.py::TestLoraOnListedRouter::test_base_layer_kept_and_exported_exactly[2]":
     ZERO12,

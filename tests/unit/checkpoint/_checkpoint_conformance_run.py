@@ -34,8 +34,7 @@ import torch
 # the tests directory (unit/'s parent) is this file's grandparent: the script imports unit.* from there
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from unit.checkpoint._keep_in_fp32_checkpoint_run import (HIDDEN, LISTED, NORM_VALUES, SINK_VALUES, SinkNet,  # noqa: E402
-                                                          batch)
+from unit.checkpoint._keep_in_fp32_checkpoint_run import (HIDDEN, LISTED, NORM_VALUES, SINK_VALUES, SinkNet, batch)
 
 STEPS = 2  # the steps before the save
 K = 2  # the steps after the save, and after the load
@@ -137,8 +136,10 @@ def save_run(ds_config, out):
                      whole_state=saved,
                      next_losses=_of_every_rank(next_losses),
                      next_whole_state=whole_state(model_engine),
-                     buffers={name: buf.detach().cpu().clone()
-                              for name, buf in model_engine.module.named_buffers()},
+                     buffers={
+                         name: buf.detach().cpu().clone()
+                         for name, buf in model_engine.module.named_buffers()
+                     },
                      optimizer=type(model_engine.optimizer).__name__)
     dist.barrier()
     if dist.get_rank() == 0:

@@ -42,7 +42,6 @@ import copy
 import glob
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -50,10 +49,9 @@ import sys
 import pytest
 import torch
 
-from unit.checkpoint._checkpoint_conformance_run import (K, STEPS, TAG, engine, kept_names, load_run, save,
-                                                         save_run, train)
-from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states,
-                                                       check_saved_steps, check_steps, check_whole_state, whole_state)
+from unit.checkpoint._checkpoint_conformance_run import K, STEPS, TAG, engine, kept_names, save, save_run, train
+from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states, check_saved_steps,
+                                                       check_steps, check_whole_state, whole_state)
 from unit.common import DistributedTest, run_distributed
 
 LIST = "auto"  # the model's list: the sinks, the norm, the router
@@ -195,8 +193,7 @@ DO_NOT_APPLY = [
 
 
 def _applies(row, column, path):
-    return not any(row in rows and column in columns and path in paths
-                   for (rows, columns, paths), _ in DO_NOT_APPLY)
+    return not any(row in rows and column in columns and path in paths for (rows, columns, paths), _ in DO_NOT_APPLY)
 
 
 # The cells that cannot work, and what each rank raises instead: (rows, columns, paths), (exception, a pattern of its
@@ -478,7 +475,8 @@ class _Checkpoints:
             reference = _reference(out)
             assert reference["world_size"] == world_size
             import deepspeed
-            want = os.path.join(_pristine_tree(), "deepspeed") if by == "stock" else os.path.dirname(deepspeed.__file__)
+            ours = os.path.dirname(deepspeed.__file__)
+            want = os.path.join(_pristine_tree(), "deepspeed") if by == "stock" else ours
             assert os.path.dirname(os.path.abspath(reference["deepspeed_file"])) == want, reference["deepspeed_file"]
             check_saved_steps(os.path.join(out, "ckpt", TAG), _optimizer_steps(row),
                               COLUMNS[column].get("steps", False))
@@ -550,7 +548,8 @@ def test_stock_loads_a_kept_checkpoint(row, column, checkpoints):
     output = _stock("load", src, 2, cell_config(row, column, LIST), "--ckpt", os.path.join(src, "ckpt"), "--name",
                     "stock_direct")
     errors, record = _stock_record(src, "stock_direct", 2)
-    print(f"stock 0.19.8 loading a kept {row}-{column} checkpoint: {[e and (e['type'], e['message']) for e in errors]}")
+    raised = [error and (error["type"], error["message"]) for error in errors]
+    print(f"stock 0.19.8 loading a kept {row}-{column} checkpoint: {raised}")
     want = STOCK_DIRECT[row, column]
     if want is None:
         assert errors == [None, None], f"stock 0.19.8 raised: {errors}\n{output}"

@@ -223,6 +223,7 @@ FAST = {
     ("zero2", "adamw", "stock_universal_to_list"),
     ("zero1_bf16_optimizer", "fused_adam", "same"),
     ("zero1_bf16_optimizer", "adamw", "stock_to_list"),
+    ("zero1_bf16_optimizer", "adamw", "universal_4_to_2_other"),
     ("zero3", "adamw", "list_to_stock"),
     ("zero3", "fused_adam", "universal_2_to_3"),
     ("zero3", "adamw", "stock_to_list"),

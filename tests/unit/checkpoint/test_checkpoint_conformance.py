@@ -7,20 +7,22 @@
 along every path (PATHS): the same layout, into other lists, from stock DeepSpeed 0.19.8, back to it, and through
 ds_to_universal at the same and at other world sizes.
 
-A cell is (row, column, path); the cells are made from the tables below: DO_NOT_APPLY leaves out those that do not
-apply (Muon outside ZeRO-1/2/3, universal checkpoints of ZeRO-0), CANNOT_WORK names those that cannot work and the refusal
-they assert instead, FAST the fast subset (every row, column and path at least once); the others are nightly.
+A cell is (row, column, path), its id "row-column-path"; the cells are made from the tables below: DO_NOT_APPLY
+leaves out those that do not apply (Muon outside ZeRO-1/2/3, universal checkpoints of ZeRO-0), CANNOT_WORK names
+those that cannot work and the refusal they assert instead, FAST is the fast subset (every row, column and path at
+least once); the others are nightly.
 
 Every cell that loads checks, on every rank of the loading run (``_Ranks.load``):
 
 - the loading engine's whole state before the load differs from the saved one in every parameter's master and in
-  the counters, so an empty difference after it cannot come from a load that did nothing;
+  the counters, so an empty difference after it cannot come from a load that did nothing (the scheduler warms up
+  from half the lr, not from 0, so that every master moves before the save);
 - after the load, the whole-state oracle (``_keep_in_fp32_whole_state.py``) against the saving run's whole state:
   every optimizer state of every parameter (``step`` included), the param groups, the loss scaler, the lr scheduler
   and the counters, exactly; no state tensor shared by two masters; every master's ``step`` is the steps the saving
   optimizer took (in memory here; in every rank's optimizer-state file and in a universal checkpoint's ``step.pt``
-  files in the test's process); every parameter in the dtype its list asks for, holding its master (rounded to
-  bf16 where not kept);
+  files, or ZeRO-3's ``optimizer_state.pt``, in the test's process); every parameter in the dtype its list asks for,
+  holding its master (rounded to bf16 where not kept), a kept sink off the bf16 grid; every buffer its saved value;
 - K more steps: where the layouts match (the same list at the same world size) they are the run that never stopped,
   bit for bit (losses and whole state; FusedAdam's CPU build to the last bits of its masters, see
   Continuation.check); elsewhere each master is what its optimizer makes of the loaded state (Continuation.check),
@@ -31,7 +33,7 @@ The way back to stock 0.19.8 (``list_to_stock``) is the documented recipe: the s
 ``keep_in_fp32_modules: []`` and saves it again; stock 0.19.8 loads that one (in a process of its own, pristine
 0.19.8 on PYTHONPATH): its whole state must be the series' own after the ``[]`` load, and its next K steps (losses
 and whole state) the series' own. ``test_stock_loads_a_kept_checkpoint`` records what stock 0.19.8 does with the
-kept checkpoint itself (STOCK_DIRECT: it raises, and the docs quote the message).
+kept checkpoint itself (STOCK_DIRECT: it raises, and the docs quote the message, or it loads the whole state).
 
 The saves are shared by the cells of a module (the ``checkpoints`` fixture): one per (row, column, list, world size,
 saving DeepSpeed); a universal conversion is added to the save it converts. The model is RouterSinkNet

@@ -11,8 +11,13 @@ build on the CPU)."""
 import pytest
 import torch
 
+import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import FusedAdam
+from deepspeed.ops.op_builder import FusedAdamBuilder
+
+if not deepspeed.ops.__compatible_ops__[FusedAdamBuilder.NAME]:
+    pytest.skip("FusedAdam is not compatible with this accelerator", allow_module_level=True)
 
 LR = 1e-2
 
@@ -103,6 +108,45 @@ def test_state_dict_keeps_each_count():
     saved = optimizer.state_dict()
     assert [saved["state"][index]["step"] for index in range(3)] == [2, 1, 2]
     assert all(type(state["step"]) is int for state in saved["state"].values())
+    resumed = FusedAdam(params, lr=LR, weight_decay=0.0)
+    resumed.load_state_dict(saved)
+    for grads in grads_per_step[2:]:
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        resumed.step()
+    _check(initial, params, resumed, grads_per_step)
+
+
+def test_one_launch_per_dtype():
+    """Parameters that took as many steps are updated in one launch per dtype, as before."""
+    params = _params([torch.bfloat16, torch.float32, torch.bfloat16, torch.float32])
+    optimizer = FusedAdam(params, lr=LR, weight_decay=0.0)
+    launches = []
+    kernel = optimizer.multi_tensor_adam
+
+    def counting(*args):
+        launches.append(args)
+        return kernel(*args)
+
+    optimizer.multi_tensor_adam = counting
+    for step in range(2):
+        for param, grad in zip(params, _grads(params, step)):
+            param.grad = grad
+        optimizer.step()
+    assert len(launches) == 4, f"{len(launches)} launches in 2 steps of 2 dtypes"
+
+
+def test_state_saved_by_the_group_counter_resumes():
+    """A state saved when FusedAdam counted a param group's steps in its last parameter only (the others at 0)
+    resumes with the group's count for every parameter, as that version updated them: after 2 more steps each
+    parameter's step is 4 and its value Adam's over the 4 steps."""
+    params = _params([torch.float32] * 3)
+    grads_per_step = [_grads(params, step) for step in range(4)]
+    initial = [p.detach().clone() for p in params]
+    optimizer = _run(params, grads_per_step[:2])
+    saved = optimizer.state_dict()
+    for index in range(2):  # as DeepSpeed 0.19.8's FusedAdam saved it
+        saved["state"][index]["step"] = 0
     resumed = FusedAdam(params, lr=LR, weight_decay=0.0)
     resumed.load_state_dict(saved)
     for grads in grads_per_step[2:]:

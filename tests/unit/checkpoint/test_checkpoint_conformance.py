@@ -229,7 +229,7 @@ FAST = {
     ("zero3", "adamw", "list_to_stock"),
     ("zero3", "fused_adam", "universal_2_to_3"),
     ("zero3", "adamw", "stock_to_list"),
-    ("zero3_offload", "fused_adam", "list_to_none"),
+    ("zero3_offload", "sgd", "list_to_none"),
     ("zero3_offload", "adamw", "universal"),
     ("zero3", "adamw", "list_to_other"),
 }

@@ -8,7 +8,8 @@ along every path (PATHS): the same layout, into other lists, from stock DeepSpee
 ds_to_universal at the same and at other world sizes.
 
 A cell is (row, column, path), its id "row-column-path"; the cells are made from the tables below: DO_NOT_APPLY
-leaves out those that do not apply (Muon outside ZeRO-1/2/3, universal checkpoints of ZeRO-0), CANNOT_WORK names
+leaves out those that do not apply (Muon outside ZeRO-1/2/3, universal checkpoints of ZeRO-0 and of optimizers without
+Adam's states, which ds_to_universal does not convert), CANNOT_WORK names
 those that cannot work and the refusal they assert instead, FAST is the fast subset (every row, column and path at
 least once); the others are nightly.
 
@@ -191,6 +192,9 @@ DO_NOT_APPLY = [
      "Muon runs at ZeRO-1/2/3 (test_keep_in_fp32_muon.py)"),
     ((("zero0", ), list(COLUMNS), _UNIVERSAL), "ds_to_universal converts ZeRO checkpoints only"),
     ((list(ROWS), ("fused_adam", "sgd", "muon"), ("universal_4_to_2_other", )), "world size 4 on 2 cores: one column"),
+    ((list(ROWS), ("sgd", "muon"), _UNIVERSAL),
+     "ds_to_universal (as in stock 0.19.8) converts Adam's exp_avg and exp_avg_sq only: SGD's and Muon's momentum "
+     "stop it with KeyError: 'exp_avg' (test_universal_converts_adam_states_only)"),
 ]
 
 
@@ -560,3 +564,12 @@ def test_stock_loads_a_kept_checkpoint(row, column, checkpoints):
         assert isinstance(error, dict), f"rank {rank}: stock 0.19.8 raised nothing ({error}):\n{output}"
         assert error["type"] == want_type and error["message"].startswith(want_start), \
             f"rank {rank}: stock 0.19.8 raised {error['type']}: {error['message']}\n{error['traceback']}"
+
+
+# nightly: ds_to_universal is stock 0.19.8's; the day it converts every optimizer state, this fails and the universal
+# cells of SGD and Muon join the matrix (DO_NOT_APPLY)
+@pytest.mark.nightly
+def test_universal_converts_adam_states_only(checkpoints):
+    """ds_to_universal stops at a ZeRO-2 checkpoint of SGD with momentum (KeyError: 'exp_avg'), as in stock 0.19.8."""
+    with pytest.raises(KeyError, match="exp_avg"):
+        checkpoints.get("zero2", "sgd", LIST, 2, "series", True)

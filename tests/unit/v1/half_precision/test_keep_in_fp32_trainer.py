@@ -332,7 +332,7 @@ def test_resume_continues_exactly(runs, arch):
 
 @pytest.mark.skipif(not PRISTINE_TREE, reason="DS_PRISTINE_TREE (pristine DeepSpeed 0.19.8, set by make test) unset")
 @pytest.mark.skipif(not hasattr(transformers, "DeepseekV3ForCausalLM"), reason="no DeepSeek-V3 in transformers")
-# ZeRO-3 in the fast subset; ZeRO-2's upgrade is also TestUpgradeFromPristineZero2's (test_keep_in_fp32_checkpoints.py)
+# ZeRO-3 in the fast subset; ZeRO-2's upgrade is also the conformance matrix's (test_checkpoint_conformance.py)
 @pytest.mark.parametrize("stage", [3, pytest.param(2, marks=pytest.mark.nightly)], ids=["zero3", "zero2"])
 def test_resume_a_pristine_checkpoint(runs, stage):
     arch = "deepseek_v3"

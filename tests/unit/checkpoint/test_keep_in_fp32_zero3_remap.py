@@ -9,7 +9,9 @@ does what a load of the same sub-groups does at its edges:
   wait for the others at a later collective (here rank 1's file holds a sub-group of another size than the
   checkpoint's parameters; rank 0's file is fine);
 - a checkpoint saved before the first step (no optimizer state yet) gives the run its saved param groups'
-  hyperparameters, as stock's load does.
+  hyperparameters, as stock's load does;
+- with pipeline_loading_checkpoint, where the ranks load one after the other, it makes no collective (it would wait
+  for a rank that waits for it).
 """
 
 import glob
@@ -20,6 +22,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
+from deepspeed.utils import safe_get_full_fp32_param
 from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import _config, _engine, _train
 
@@ -60,3 +63,18 @@ class TestZero3Remap(DistributedTest):
         got = [{key: value for key, value in group.items() if key != "params"}
                for group in loaded.optimizer.optimizer.param_groups]
         assert got == saved
+
+    def test_serial_load(self, tmp_path):
+        """With pipeline_loading_checkpoint the ranks of a node load one after the other (each waits for the one
+        before it): a load into other sub-groups makes no collective that would wait for the next one."""
+        save_dir = str(tmp_path / "ckpt")
+        config = _config(keep=[])
+        engine = _engine(config)
+        _train(engine, config, steps=1)
+        engine.save_checkpoint(save_dir, tag="step1")
+        saved = {name: safe_get_full_fp32_param(param) for name, param in engine.module.named_parameters()}
+
+        loaded = _engine(_config(keep="auto", pipeline_loading_checkpoint=True))
+        assert loaded.load_checkpoint(save_dir, tag="step1")[0] is not None
+        for name, param in loaded.module.named_parameters():
+            assert torch.equal(safe_get_full_fp32_param(param), saved[name]), name

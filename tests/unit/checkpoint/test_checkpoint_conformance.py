@@ -5,7 +5,8 @@
 """The checkpoint conformance matrix: a checkpoint of a run that keeps parameters in fp32
 (``data_types.keep_in_fp32_modules``) loads with nothing lost, in every stage (ROWS), with every optimizer (COLUMNS),
 along every path (PATHS): the same layout, into other lists, from stock DeepSpeed 0.19.8, back to it, and through
-ds_to_universal at the same and at other world sizes.
+ds_to_universal at the same and at other world sizes; the cells of one rank (``*_ws1``) are those the GPU check runs
+on one GPU with FusedAdam's CUDA kernel (tools/gpu-check, part 1).
 
 A cell is (row, column, path), its id "row-column-path"; the cells are made from the tables below: DO_NOT_APPLY
 leaves out those that do not apply (Muon outside ZeRO-1/2/3, universal checkpoints of ZeRO-0 and of optimizers without
@@ -169,6 +170,10 @@ PATHS = {
     "universal_2_to_1_none": dict(saved=LIST, loaded=[], universal=True, loaded_ws=1),
     "universal_4_to_2_other": dict(saved=OTHER_LISTS[0], loaded=OTHER_LISTS[1], universal=True, saved_ws=4),
     "stock_universal_to_list": dict(by="stock", saved=[], loaded=LIST, universal=True),
+    # one rank saves and loads: the cells the GPU check runs on one GPU (tools/gpu-check, part 1), FusedAdam's CUDA
+    # kernel among them
+    "same_ws1": dict(saved=LIST, loaded=LIST, saved_ws=1),
+    "none_to_list_ws1": dict(saved=[], loaded=LIST, saved_ws=1),
 }
 for _path in PATHS.values():
     _path.setdefault("by", "series")
@@ -192,6 +197,7 @@ DO_NOT_APPLY = [
      "Muon runs at ZeRO-1/2/3 (test_keep_in_fp32_muon.py)"),
     ((("zero0", ), list(COLUMNS), _UNIVERSAL), "ds_to_universal converts ZeRO checkpoints only"),
     ((list(ROWS), ("fused_adam", "sgd", "muon"), ("universal_4_to_2_other", )), "world size 4 on 2 cores: one column"),
+    ((list(ROWS), ("sgd", "muon"), ("same_ws1", "none_to_list_ws1")), "one rank: the GPU check's Adam cells"),
     ((list(ROWS), ("sgd", "muon"), _UNIVERSAL),
      "ds_to_universal (as in stock 0.19.8) converts Adam's exp_avg and exp_avg_sq only: SGD's and Muon's momentum "
      "stop it with KeyError: 'exp_avg' (test_universal_converts_adam_states_only)"),

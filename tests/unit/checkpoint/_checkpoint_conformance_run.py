@@ -34,7 +34,8 @@ import torch
 # the tests directory (unit/'s parent) is this file's grandparent: the script imports unit.* from there
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from unit.checkpoint._keep_in_fp32_checkpoint_run import (HIDDEN, LISTED, NORM_VALUES, SINK_VALUES, SinkNet, batch)
+from unit.checkpoint._keep_in_fp32_checkpoint_run import HIDDEN, LISTED, SinkNet, batch
+from unit.checkpoint._keep_in_fp32_checkpoint_run import build as _build
 
 STEPS = 2  # the steps before the save
 K = 2  # the steps after the save, and after the load
@@ -65,17 +66,7 @@ def kept_names(keep):
 
 def build(ds_config):
     """RouterSinkNet (under zero.Init for ZeRO-3), with the sinks and the norm's weight set off the bf16 grid."""
-    import deepspeed
-    import deepspeed.comm as dist
-    torch.manual_seed(42)
-    zero3 = ds_config["zero_optimization"]["stage"] == 3
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3):
-        model = RouterSinkNet()
-    for param, values in ((model.attn.sinks, SINK_VALUES), (model.norm.weight, NORM_VALUES)):
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            if dist.get_rank() == 0 or not zero3:
-                param.data.copy_(values)
-    return model
+    return _build(ds_config, model_cls=RouterSinkNet)
 
 
 def engine(ds_config):

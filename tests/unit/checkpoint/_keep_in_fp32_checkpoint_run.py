@@ -123,15 +123,15 @@ def gathered(param):
         return param.data.detach().cpu().clone()
 
 
-def build(ds_config, frozen=()):
-    """SinkNet (under zero.Init for ZeRO-3), with the sinks (and the norm's weight) set off the bf16 grid, and the
-    parameters named in ``frozen`` frozen."""
+def build(ds_config, frozen=(), model_cls=SinkNet):
+    """``model_cls`` (SinkNet, under zero.Init for ZeRO-3), with the sinks (and the norm's weight) set off the bf16
+    grid, and the parameters named in ``frozen`` frozen."""
     import deepspeed
     import deepspeed.comm as dist
     torch.manual_seed(42)
     zero3 = ds_config["zero_optimization"]["stage"] == 3
     with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3):
-        model = SinkNet()
+        model = model_cls()
     for param, values in ((model.attn.sinks, SINK_VALUES), (model.norm.weight, NORM_VALUES)):
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             if dist.get_rank() == 0 or not zero3:
@@ -203,6 +203,16 @@ def snapshot(model_engine):
                 entry[key] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
         result[name] = entry
     return result
+
+
+def pristine_tree():
+    """The unpacked pristine DeepSpeed 0.19.8 tree that tools/test names in DS_PRISTINE_TREE (the test skips
+    without it)."""
+    import pytest
+    tree = os.environ.get("DS_PRISTINE_TREE")
+    if not tree:
+        pytest.skip("DS_PRISTINE_TREE does not name an unpacked pristine DeepSpeed 0.19.8 tree")
+    return os.path.abspath(tree)
 
 
 def to_universal(ckpt_dir, tag=TAG):

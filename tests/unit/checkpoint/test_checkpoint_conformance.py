@@ -46,7 +46,6 @@ import copy
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -56,7 +55,8 @@ import torch
 from unit.checkpoint._checkpoint_conformance_run import K, STEPS, TAG, engine, kept_names, save, save_run, train
 from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states, check_saved_steps,
                                                        check_steps, check_whole_state, whole_state)
-from unit.common import DistributedTest, run_distributed
+from unit.checkpoint._keep_in_fp32_checkpoint_run import pristine_tree
+from unit.common import DistributedTest, _free_port, run_distributed
 
 LIST = "auto"  # the model's list: the sinks, the norm, the router
 OTHER_LISTS = (["sink"], ["norm", "router"])
@@ -419,26 +419,13 @@ class _Ranks(DistributedTest):
         _check_params_hold_masters(model_engine, after, kept, f"{K} steps after the load")
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pristine_tree():
-    tree = os.environ.get("DS_PRISTINE_TREE")
-    if not tree:
-        pytest.skip("DS_PRISTINE_TREE does not name an unpacked pristine DeepSpeed 0.19.8 tree")
-    return os.path.abspath(tree)
-
-
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_checkpoint_conformance_run.py")
 
 
 def _stock(mode, out, world_size, config, *args, name=None):
     """Run _checkpoint_conformance_run.py's ``mode`` with pristine DeepSpeed 0.19.8 on ``world_size`` ranks
     (torch.distributed.run, gloo), in ``out``; returns its output."""
-    tree = _pristine_tree()
+    tree = pristine_tree()
     config_file = os.path.join(out, f"{name or mode}.json")
     with open(config_file, "w") as f:
         json.dump(config, f)
@@ -489,7 +476,7 @@ class _Checkpoints:
             assert reference["world_size"] == world_size
             import deepspeed
             ours = os.path.dirname(deepspeed.__file__)
-            want = os.path.join(_pristine_tree(), "deepspeed") if by == "stock" else ours
+            want = os.path.join(pristine_tree(), "deepspeed") if by == "stock" else ours
             assert os.path.dirname(os.path.abspath(reference["deepspeed_file"])) == want, reference["deepspeed_file"]
             check_saved_steps(os.path.join(out, "ckpt", TAG), _optimizer_steps(row),
                               COLUMNS[column].get("steps", False))

@@ -283,8 +283,9 @@ class TestRoundTrip(DistributedTest):
 
         if rank == 0:
             # in memory, eager: everything fp32
-            attempt("eager", lambda: _check(get_fp32_state_dict_from_zero_checkpoint(ckpt), reference, frozen,
-                                            torch.float32, "eager"))
+            attempt(
+                "eager", lambda: _check(get_fp32_state_dict_from_zero_checkpoint(ckpt), reference, frozen, torch.
+                                        float32, "eager"))
             # in memory, lazy: what the checkpoint holds
             attempt(
                 "lazy", lambda: _check(get_fp32_state_dict_from_zero_checkpoint(ckpt, lazy_mode=True), reference,
@@ -313,8 +314,7 @@ class TestRoundTrip(DistributedTest):
                 _run_recovery_script(ckpt, out, *script_flags)
                 exported = _read_export(out, "--safe_serialization" in script_flags, "--max_shard_size"
                                         in script_flags)
-                _check(exported, reference, frozen, torch.float32, what, "--exclude_frozen_parameters"
-                       in script_flags)
+                _check(exported, reference, frozen, torch.float32, what, "--exclude_frozen_parameters" in script_flags)
 
             attempt(what, script_and_check)
 
@@ -339,8 +339,8 @@ class TestFrozenParamDtype(DistributedTest):
             assert state_dict[name].dtype == torch.float32, f"frozen {name} came back as {state_dict[name].dtype}"
         _check(state_dict, reference, frozen, torch.float32, "eager")
         # dtype names another precision: every floating tensor in it, the integer buffer untouched
-        _check(get_fp32_state_dict_from_zero_checkpoint(ckpt, dtype=torch.bfloat16), reference, frozen,
-               torch.bfloat16, "eager, dtype=torch.bfloat16")
+        _check(get_fp32_state_dict_from_zero_checkpoint(ckpt, dtype=torch.bfloat16), reference, frozen, torch.bfloat16,
+               "eager, dtype=torch.bfloat16")
 
     @pytest.mark.parametrize("world_size, stage", [(1, 2), (2, 3)])
     def test_lazy_keeps_frozen_bf16(self, world_size, stage, tmp_path):
@@ -425,8 +425,11 @@ class TestLoraExport(DistributedTest):
 
         torch.manual_seed(0)
         ckpt = str(tmp_path / "ckpt")
-        _, reference, frozen = _train_and_save(LoraNet(), stage, "bf16", ckpt, batch_fn=lambda g: torch.randn(
-            (2, 32), generator=g))
+        _, reference, frozen = _train_and_save(LoraNet(),
+                                               stage,
+                                               "bf16",
+                                               ckpt,
+                                               batch_fn=lambda g: torch.randn((2, 32), generator=g))
         assert frozen == {"base.weight", "base.bias"}
         if dist.get_rank() != 0:
             return

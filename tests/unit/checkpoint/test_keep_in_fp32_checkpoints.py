@@ -23,7 +23,6 @@ that several tests share are made once per module, by that script under ``torch.
 
 import glob
 import os
-import socket
 import subprocess
 import sys
 
@@ -33,28 +32,15 @@ import torch
 import deepspeed
 from unit.checkpoint._keep_in_fp32_whole_state import (Continuation, check_masters_own_their_states, check_whole_state,
                                                        whole_state)
-from unit.common import DistributedTest
+from unit.common import DistributedTest, _free_port
 from unit.checkpoint._keep_in_fp32_checkpoint_run import (NORM_VALUES, SINK_VALUES, STEPS, TAG, config, engine,
-                                                          gathered, snapshot, train)
+                                                          pristine_tree, gathered, snapshot, train)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_keep_in_fp32_checkpoint_run.py")
 KEPT_AUTO = {"attn.sinks", "attn.sink_gate", "norm.weight", "norm.bias"}  # what SinkNet lists ("sink", "norm")
 # (data_types.keep_in_fp32_modules of the run that loads, the parameters it keeps in fp32)
 LOADS = [("auto", KEPT_AUTO), ([], set()), (["sink"], {"attn.sinks", "attn.sink_gate"})]
 FROZEN = ("norm.weight", "lin.weight")  # in the world-size-3 save: a listed parameter and one trained in bf16
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pristine_tree():
-    tree = os.environ.get("DS_PRISTINE_TREE")
-    if not tree:
-        pytest.skip("DS_PRISTINE_TREE does not name an unpacked pristine DeepSpeed 0.19.8 tree")
-    return os.path.abspath(tree)
 
 
 def _save_in_subprocess(out, world_size, *args, pristine_tree=None):
@@ -103,7 +89,7 @@ def pristine_save_round_robin(tmp_path_factory):
     """A ZeRO-2 checkpoint that pristine DeepSpeed 0.19.8 saved at world size 2 with round_robin_gradients (nothing
     kept): its flat groups hold the parameters in round-robin order, as its param_shapes list them, and its
     param_slice_mappings place them in their original order."""
-    tree = _pristine_tree()
+    tree = pristine_tree()
     out = tmp_path_factory.mktemp("pristine_save_round_robin")
     reference = _save_in_subprocess(out, 2, "--stage", "2", "--round-robin", pristine_tree=tree)
     assert reference["deepspeed_version"].strip() == "0.19.8", reference["deepspeed_version"]
@@ -121,7 +107,7 @@ FLAT_MASTERS = {
 def pristine_save_flat_masters(request, tmp_path_factory):
     """A checkpoint of FP16_Optimizer at stage 0 in fp16 that pristine DeepSpeed 0.19.8 saved at world size 2 (nothing
     kept); returns (its directory, the key of FLAT_MASTERS)."""
-    tree = _pristine_tree()
+    tree = pristine_tree()
     out = tmp_path_factory.mktemp(f"pristine_save_{request.param}")
     reference = _save_in_subprocess(out, 2, *FLAT_MASTERS[request.param][1], pristine_tree=tree)
     assert reference["deepspeed_version"].strip() == "0.19.8", reference["deepspeed_version"]

@@ -55,13 +55,17 @@ class TestZero3Remap(DistributedTest):
         config["optimizer"]["params"].update(lr=2e-5, betas=[0.8, 0.9], weight_decay=0.125)
         engine = _engine(config)
         engine.save_checkpoint(save_dir, tag="step0")  # before any step: the optimizer holds no state
-        saved = [{key: value for key, value in group.items() if key != "params"}
-                 for group in engine.optimizer.optimizer.param_groups]
+        saved = [{
+            key: value
+            for key, value in group.items() if key != "params"
+        } for group in engine.optimizer.optimizer.param_groups]
 
         loaded = _engine(_config(keep="auto"))
         assert loaded.load_checkpoint(save_dir, tag="step0")[0] is not None
-        got = [{key: value for key, value in group.items() if key != "params"}
-               for group in loaded.optimizer.optimizer.param_groups]
+        got = [{
+            key: value
+            for key, value in group.items() if key != "params"
+        } for group in loaded.optimizer.optimizer.param_groups]
         assert got == saved
 
     def test_serial_load(self, tmp_path):

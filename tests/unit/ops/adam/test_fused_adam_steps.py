@@ -53,8 +53,11 @@ def _reference(initial, grads_per_step):
     return result
 
 
-def _run(params, grads_per_step):
+def _run(params, grads_per_step, saved=None):
+    """A FusedAdam over ``params`` (loading ``saved``, a state_dict, where given) stepped with the gradients."""
     optimizer = FusedAdam(params, lr=LR, weight_decay=0.0)
+    if saved is not None:
+        optimizer.load_state_dict(saved)
     for grads in grads_per_step:
         for param, grad in zip(params, grads):
             param.grad = grad
@@ -108,13 +111,7 @@ def test_state_dict_keeps_each_count():
     saved = optimizer.state_dict()
     assert [saved["state"][index]["step"] for index in range(3)] == [2, 1, 2]
     assert all(type(state["step"]) is int for state in saved["state"].values())
-    resumed = FusedAdam(params, lr=LR, weight_decay=0.0)
-    resumed.load_state_dict(saved)
-    for grads in grads_per_step[2:]:
-        for param, grad in zip(params, grads):
-            param.grad = grad
-        resumed.step()
-    _check(initial, params, resumed, grads_per_step)
+    _check(initial, params, _run(params, grads_per_step[2:], saved), grads_per_step)
 
 
 def test_one_launch_per_dtype():
@@ -147,10 +144,4 @@ def test_state_saved_by_the_group_counter_resumes():
     saved = optimizer.state_dict()
     for index in range(2):  # as DeepSpeed 0.19.8's FusedAdam saved it
         saved["state"][index]["step"] = 0
-    resumed = FusedAdam(params, lr=LR, weight_decay=0.0)
-    resumed.load_state_dict(saved)
-    for grads in grads_per_step[2:]:
-        for param, grad in zip(params, grads):
-            param.grad = grad
-        resumed.step()
-    _check(initial, params, resumed, grads_per_step)
+    _check(initial, params, _run(params, grads_per_step[2:], saved), grads_per_step)

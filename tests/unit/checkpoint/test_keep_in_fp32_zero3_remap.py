@@ -11,7 +11,8 @@ does what a load of the same sub-groups does at its edges:
 - a checkpoint saved before the first step (no optimizer state yet) gives the run its saved param groups'
   hyperparameters, as stock's load does;
 - with pipeline_loading_checkpoint, where the ranks load one after the other, it makes no collective (it would wait
-  for a rank that waits for it).
+  for a rank that waits for it);
+- it says so, once, on rank 0, at info level: how many parameters it moves, from which kept list to which.
 """
 
 import glob
@@ -24,7 +25,7 @@ import deepspeed.comm as dist
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 from deepspeed.utils import safe_get_full_fp32_param
 from unit.common import DistributedTest
-from unit.v1.half_precision.test_keep_in_fp32_modules import _config, _engine, _train
+from unit.v1.half_precision.test_keep_in_fp32_modules import _config, _engine, _info_logged, _train
 
 
 class TestZero3Remap(DistributedTest):
@@ -82,3 +83,28 @@ class TestZero3Remap(DistributedTest):
         assert loaded.load_checkpoint(save_dir, tag="step1")[0] is not None
         for name, param in loaded.module.named_parameters():
             assert torch.equal(safe_get_full_fp32_param(param), saved[name]), name
+
+    def test_a_load_into_other_sub_groups_says_so(self, tmp_path):
+        save_dir = str(tmp_path / "ckpt")
+        config = _config(keep=[])
+        engine = _engine(config)
+        _train(engine, config, steps=1)
+        engine.save_checkpoint(save_dir, tag="step1")
+
+        for keep in ("auto", []):
+            loaded = _engine(_config(keep=keep))
+            kept = sorted(name for name, param in loaded.module.named_parameters()
+                          if param.ds_tensor.dtype == torch.float32)
+            with _info_logged() as records:
+                assert loaded.load_checkpoint(save_dir, tag="step1")[0] is not None
+            said = [
+                record.getMessage() for record in records
+                if "keep_in_fp32_modules: the checkpoint" in record.getMessage()
+            ]
+            expected = [
+                f"keep_in_fp32_modules: the checkpoint kept 0 parameters in fp32 (data_types.keep_in_fp32_modules "
+                f"[]), this run keeps {len(kept)} ('auto'): the fp32 masters and optimizer states of {len(kept)} "
+                f"parameters move between the flat groups of the training dtype and of fp32 ({', '.join(kept[:3])}, ...)."
+            ] if keep == "auto" and dist.get_rank() == 0 else []
+            assert len(kept) > 3 if keep == "auto" else not kept
+            assert said == expected, (said, expected)

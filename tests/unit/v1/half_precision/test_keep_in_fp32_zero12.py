@@ -116,6 +116,33 @@ class TestCheckpointOfOtherLayout(DistributedTest):
         assert not torch.equal(after, sinks) and torch.equal(after.bfloat16(), sinks.bfloat16())
 
 
+class TestCheckpointEngineWithoutMmap(DistributedTest):
+    """A checkpoint engine written for ``CheckpointEngine.load(path, map_location)`` (out of tree, before ``load`` took
+    ``mmap``) loads a checkpoint of other flat groups: the other rank's file it needs is read whole."""
+    world_size = 2
+
+    def test_other_kept_groups_load(self, tmp_path):
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        class LoadWithoutMmap(TorchCheckpointEngine):
+
+            def load(self, path, map_location=None):
+                self.paths.append(path)
+                return torch.load(path, map_location=map_location, weights_only=False)
+
+        save_dir = str(tmp_path / "ckpt")
+        saved = _save("zero2", [], save_dir)
+        config = _stage_config("zero2")
+        engine = _stage_engine("zero2", config)
+        engine.checkpoint_engine = LoadWithoutMmap()
+        engine.checkpoint_engine.paths = []
+        load_path, _ = engine.load_checkpoint(save_dir)
+        assert load_path is not None
+        other = f"zero_pp_rank_{1 - dist.get_rank()}_"
+        assert any(other in os.path.basename(path) for path in engine.checkpoint_engine.paths)
+        _check_loaded(engine, config, saved)
+
+
 # DeepSpeed's communication backend's collectives: those that carry Python objects, and those that carry tensors
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
 TENSOR_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",

@@ -110,11 +110,9 @@ class TestOffloadStates(DistributedTest):
             assert torch.equal(value, kept[name]), f"{name} is not what it was before offload_states(lp_params)"
         _check_masters_are_partitions(engine)
 
-        # a full round trip moves the kept values once, and leaves them held once
-        before = _kept_storages(engine)
+        # a full round trip leaves the kept values held once (whether it moves them: the test above; on the CPU a
+        # reload leaves them in the pinned buffer, which a second offload_states copies into itself)
         engine.offload_states()
-        after = _kept_storages(engine)
-        assert all(after[name] != before[name] for name in before), "the kept partitions were not moved"
         engine.reload_states()
         _check_masters_are_partitions(engine)
         for name, value in _kept_values(engine).items():

@@ -28,15 +28,22 @@ from unit.common import DistributedTest
 from unit.v1.half_precision.test_keep_in_fp32_modules import _config, _engine, _info_logged, _train
 
 
+def _save_keeping_nothing(tmp_path):
+    """A checkpoint of one step keeping nothing in fp32 (the sub-groups of DeepSpeed 0.19.8): its folder, and the
+    engine that saved it."""
+    save_dir = str(tmp_path / "ckpt")
+    config = _config(keep=[])
+    engine = _engine(config)
+    _train(engine, config, steps=1)
+    engine.save_checkpoint(save_dir, tag="step1")
+    return save_dir, engine
+
+
 class TestZero3Remap(DistributedTest):
     world_size = 2
 
     def test_every_rank_raises_the_first_error(self, tmp_path):
-        save_dir = str(tmp_path / "ckpt")
-        config = _config(keep=[])
-        engine = _engine(config)
-        _train(engine, config, steps=1)
-        engine.save_checkpoint(save_dir, tag="step1")
+        save_dir, _ = _save_keeping_nothing(tmp_path)
         dist.barrier()
         if dist.get_rank() == 0:
             (path, ) = glob.glob(os.path.join(save_dir, "step1", "*zero_pp_rank_1_*optim_states.pt"))
@@ -72,11 +79,7 @@ class TestZero3Remap(DistributedTest):
     def test_serial_load(self, tmp_path):
         """With pipeline_loading_checkpoint the ranks of a node load one after the other (each waits for the one
         before it): a load into other sub-groups makes no collective that would wait for the next one."""
-        save_dir = str(tmp_path / "ckpt")
-        config = _config(keep=[])
-        engine = _engine(config)
-        _train(engine, config, steps=1)
-        engine.save_checkpoint(save_dir, tag="step1")
+        save_dir, engine = _save_keeping_nothing(tmp_path)
         saved = {name: safe_get_full_fp32_param(param) for name, param in engine.module.named_parameters()}
 
         loaded = _engine(_config(keep="auto", pipeline_loading_checkpoint=True))
@@ -85,11 +88,7 @@ class TestZero3Remap(DistributedTest):
             assert torch.equal(safe_get_full_fp32_param(param), saved[name]), name
 
     def test_a_load_into_other_sub_groups_says_so(self, tmp_path):
-        save_dir = str(tmp_path / "ckpt")
-        config = _config(keep=[])
-        engine = _engine(config)
-        _train(engine, config, steps=1)
-        engine.save_checkpoint(save_dir, tag="step1")
+        save_dir, _ = _save_keeping_nothing(tmp_path)
 
         for keep in ("auto", []):
             loaded = _engine(_config(keep=keep))

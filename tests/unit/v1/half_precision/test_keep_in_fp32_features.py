@@ -117,6 +117,30 @@ class TestFeaturesThatRoundKeptParams(DistributedTest):
         _train(engine, config, steps=1)
 
 
+def _check_moe_row(stage, keep, refusal, feature):
+    """deepspeed.initialize of MoENet's expert param groups at ``stage`` keeping ``keep``, where a row of the engine's
+    table names ``feature``: an explicit list is refused (``refusal``: the error's pattern), and "auto" trains every
+    parameter in bf16 with one warning that names ``feature``. Returns the engine after a step, or None."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    config = _stage_config(stage, keep=keep)
+    torch.manual_seed(42)
+    model = MoENet()
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
+    if keep != "auto":
+        with pytest.raises(ValueError, match=refusal):
+            deepspeed.initialize(model=model, model_parameters=groups, config=config)
+        return None
+    records = _capture_warnings()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    messages = [r.getMessage() for r in records if "keep_in_fp32_modules" in r.getMessage()]
+    assert len(messages) == 1 and feature in messages[0], messages
+    for name, param in engine.module.named_parameters():
+        assert param.dtype == torch.bfloat16, name
+    engine.backward(engine(torch.randn(16, 8, dtype=torch.bfloat16)))
+    engine.step()
+    return engine
+
+
 class TestKeptExpertParams(DistributedTest):
     """ZeRO-1/2 reduce the gradients of an MoE expert param group in one dtype: the expert parameters a model lists
     train in bf16 under "auto"."""
@@ -124,27 +148,9 @@ class TestKeptExpertParams(DistributedTest):
 
     @pytest.mark.parametrize("keep", ["auto", ["sinks"]])
     def test_expert_params(self, keep):
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-        config = _stage_config("zero2", keep=keep)
-        torch.manual_seed(42)
-        model = MoENet()
-        groups = split_params_into_different_moe_groups_for_optimizer({
-            "params": list(model.parameters()),
-            "name": "p"
-        })
-        if keep != "auto":
-            with pytest.raises(ValueError, match=r"the MoE expert param groups of ZeRO-2.*name no expert parameter.*"
-                               r"keep_in_fp32_modules to \[\]"):
-                deepspeed.initialize(model=model, model_parameters=groups, config=config)
-            return
-        records = _capture_warnings()
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
-        messages = [r.getMessage() for r in records if "keep_in_fp32_modules" in r.getMessage()]
-        assert len(messages) == 1 and "MoE expert param groups" in messages[0], messages
-        for name, param in engine.module.named_parameters():
-            assert param.dtype == torch.bfloat16, name
-        engine.backward(engine(torch.randn(16, 8, dtype=torch.bfloat16)))
-        engine.step()
+        _check_moe_row(
+            "zero2", keep, r"the MoE expert param groups of ZeRO-2.*name no expert parameter.*"
+            r"keep_in_fp32_modules to \[\]", "MoE expert param groups")
 
 
 class TestBf16OptimizerWithMoELayers(DistributedTest):
@@ -155,26 +161,7 @@ class TestBf16OptimizerWithMoELayers(DistributedTest):
     @pytest.mark.parametrize("keep", ["auto", ["sinks"]],
                              ids=["zero1_bf16_optimizer-auto", "zero1_bf16_optimizer-list"])
     def test_moe_layers(self, keep):
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-        config = _stage_config("zero1_bf16_optimizer", keep=keep)
-        torch.manual_seed(42)
-        model = MoENet()
-        groups = split_params_into_different_moe_groups_for_optimizer({
-            "params": list(model.parameters()),
-            "name": "p"
-        })
-        if keep != "auto":
-            with pytest.raises(ValueError,
-                               match=r"the BF16 optimizer with MoE layers.*grad_accum_dtype bf16.*"
-                               r"keep_in_fp32_modules to \[\]"):
-                deepspeed.initialize(model=model, model_parameters=groups, config=config)
-            return
-        records = _capture_warnings()
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
-        messages = [r.getMessage() for r in records if "keep_in_fp32_modules" in r.getMessage()]
-        assert len(messages) == 1 and "the BF16 optimizer with MoE layers" in messages[0], messages
-        assert type(engine.optimizer).__name__ == "BF16_Optimizer"
-        for name, param in engine.module.named_parameters():
-            assert param.dtype == torch.bfloat16, name
-        engine.backward(engine(torch.randn(16, 8, dtype=torch.bfloat16)))
-        engine.step()
+        engine = _check_moe_row(
+            "zero1_bf16_optimizer", keep, r"the BF16 optimizer with MoE layers.*grad_accum_dtype "
+            r"bf16.*keep_in_fp32_modules to \[\]", "the BF16 optimizer with MoE layers")
+        assert engine is None or type(engine.optimizer).__name__ == "BF16_Optimizer"
